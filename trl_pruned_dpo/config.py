@@ -1,0 +1,156 @@
+"""`PrunedDPOConfig`: TRL's `DPOConfig` plus the sampling probabilities of the three prunings.
+
+Data only, like `DPOConfig`: the field help is the documentation, and `__post_init__` rejects values that cannot work
+before any model is loaded. The semantics of every field are in docs/method.md (derived in shared METHOD.md).
+"""
+
+from dataclasses import dataclass, field
+
+from trl import DPOConfig
+
+BRANCH_SAMPLINGS = ("paired", "independent")
+
+# Every TRL 1.16 loss is a function of per-branch sums of per-token log-probs (or, for `sft`, of their mean), so each
+# has an unbiased pruned estimate of its inputs. Checked here because TRL only rejects an unknown name mid-training.
+TRL_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+    "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+)
+
+# Losses that depend on the two branches only through D_w - D_l (with reverse-KL scores): a token in the common
+# response prefix cancels exactly there, so `prune_common_prefix` changes nothing but the cost (docs/method.md).
+PAIR_DIFFERENCE_LOSSES = frozenset({"sigmoid", "hinge", "robust", "exo_pair", "discopop"})
+
+
+@dataclass
+class PrunedDPOConfig(DPOConfig):
+    r"""
+    Configuration of [`PrunedDPOTrainer`]: every [`~trl.DPOConfig`] field, plus the pruning fields below. With the
+    defaults (keep probabilities 1, no prefix pruning) training is the stock DPO computation.
+
+    Parameters:
+        position_keep_prob (`float`, *optional*, defaults to `1.0`):
+            Probability that a response position is scored by the LM head (position pruning). Kept positions are
+            reweighted by `1 / position_keep_prob`. In (0, 1].
+        prefix_prune_prob (`float`, *optional*, defaults to `0.0`):
+            Probability that a response is cut to a random prefix (prefix pruning). In [0, 1].
+        prefix_min_ratio (`float`, *optional*, defaults to `0.5`):
+            Shortest prefix kept, as a fraction of the response length: the cut K is uniform on
+            [ceil(prefix_min_ratio * L), L]. In (0, 1].
+        branch_keep_prob (`float`, *optional*, defaults to `1.0`):
+            Probability that a branch (chosen or rejected) is backpropagated (branch pruning). The others run under
+            `torch.no_grad()`. In (0, 1].
+        branch_sampling (`str`, *optional*, defaults to `"paired"`):
+            `"paired"`: the two branches of a pair are drawn together (at 0.5, exactly one per pair; fixed cost).
+            `"independent"`: each branch is drawn on its own (the cost varies per step).
+        prune_reference (`bool`, *optional*, defaults to `True`):
+            Score the reference model with the same masks as the policy (lower variance, cheaper). If `False`, the
+            reference log-probs are summed exactly over every response token.
+        prune_common_prefix (`bool`, *optional*, defaults to `False`):
+            Skip the response tokens that chosen and rejected share at their start: they cancel exactly in losses
+            that depend only on D_w - D_l (`sigmoid`, `hinge`, `robust`, `exo_pair`, `discopop`), so this changes
+            no loss value, removes their cost, and removes the aligned part of the two branch gradients that makes
+            single-branch estimates noisy. With it on, the logged per-branch rewards and log-probs exclude the
+            common prefix (their difference, the margin, is unchanged).
+        prune_seed (`int`, *optional*):
+            Seed of the mask generator. Defaults to `seed`. Masks are a function of (prune_seed, global step,
+            micro-step, process rank) only; they never draw from the global RNG.
+    """
+
+    position_keep_prob: float = field(
+        default=1.0,
+        metadata={"help": "Probability that a response position is scored by the LM head (position pruning), in (0, 1]."},
+    )
+    prefix_prune_prob: float = field(
+        default=0.0,
+        metadata={"help": "Probability that a response is cut to a random prefix (prefix pruning), in [0, 1]."},
+    )
+    prefix_min_ratio: float = field(
+        default=0.5,
+        metadata={"help": "Shortest kept prefix as a fraction of the response length, in (0, 1]."},
+    )
+    branch_keep_prob: float = field(
+        default=1.0,
+        metadata={"help": "Probability that a branch (chosen/rejected) is backpropagated (branch pruning), in (0, 1]."},
+    )
+    branch_sampling: str = field(
+        default="paired",
+        metadata={
+            "help": "How branches are drawn: 'paired' (both branches of a pair together; fixed cost per step) or "
+            "'independent' (each branch on its own).",
+            "choices": list(BRANCH_SAMPLINGS),
+        },
+    )
+    prune_reference: bool = field(
+        default=True,
+        metadata={"help": "Score the reference with the same masks as the policy (else: exact reference sums)."},
+    )
+    prune_common_prefix: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip response tokens shared at the start of chosen and rejected (exact for losses of D_w - D_l: "
+            "sigmoid, hinge, robust, exo_pair, discopop). Logged per-branch rewards then exclude that prefix."
+        },
+    )
+    prune_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the mask generator (defaults to `seed`)."},
+    )
+
+    @property
+    def pruning_enabled(self) -> bool:
+        """Whether any estimator differs from the exact computation."""
+        return (
+            self.position_keep_prob < 1.0
+            or self.prefix_prune_prob > 0.0
+            or self.branch_keep_prob < 1.0
+            or self.prune_common_prefix
+        )
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._validate_pruning()
+        if self.prune_seed is None:
+            self.prune_seed = self.seed
+
+    def _validate_pruning(self):
+        def in_range(name, low, high, low_open):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"`{name}` must be a number, got {value!r}.")
+            ok = (low < value if low_open else low <= value) and value <= high
+            if not ok:
+                interval = f"{'(' if low_open else '['}{low}, {high}]"
+                raise ValueError(f"`{name}` must lie in {interval}, got {value}.")
+
+        in_range("position_keep_prob", 0.0, 1.0, low_open=True)
+        in_range("branch_keep_prob", 0.0, 1.0, low_open=True)
+        in_range("prefix_prune_prob", 0.0, 1.0, low_open=False)
+        in_range("prefix_min_ratio", 0.0, 1.0, low_open=True)
+        unknown = [loss for loss in self.loss_type if loss not in TRL_LOSS_TYPES]
+        if unknown:
+            raise ValueError(f"Unknown `loss_type` {unknown}: choose among {list(TRL_LOSS_TYPES)}.")
+        if self.branch_sampling not in BRANCH_SAMPLINGS:
+            raise ValueError(
+                f"`branch_sampling` must be one of {list(BRANCH_SAMPLINGS)}, got {self.branch_sampling!r}."
+            )
+        if self.prune_common_prefix:
+            other = sorted(set(self.loss_type) - PAIR_DIFFERENCE_LOSSES)
+            if other:
+                raise ValueError(
+                    f"`prune_common_prefix=True` is exact only for losses of D_w - D_l "
+                    f"({sorted(PAIR_DIFFERENCE_LOSSES)}); `loss_type` also has {other}, whose per-branch terms do "
+                    "not cancel on the common prefix. Remove those loss types or set `prune_common_prefix=False`."
+                )
+            if self.f_divergence_type != "reverse_kl":
+                raise ValueError(
+                    f"`prune_common_prefix=True` needs `f_divergence_type='reverse_kl'` (got "
+                    f"{self.f_divergence_type!r}): other f-divergences transform each branch's log-ratio before the "
+                    "difference, so the common prefix no longer cancels. Set one of the two back."
+                )
+            if self.use_weighting:
+                raise ValueError(
+                    "`prune_common_prefix=True` cannot be combined with `use_weighting=True`: the WPO weights are "
+                    "per-branch length-normalised probabilities, which change when the common prefix is dropped. "
+                    "Set one of the two to its default."
+                )
