@@ -1,0 +1,153 @@
+"""Drawing the position, prefix and branch masks, and their inclusion probabilities.
+
+Pure functions of tensors, no trainer state. Everything works in TRL's *shifted* coordinates: column j of a per-token
+tensor of shape (rows, seq_len - 1) is the log-prob of input token j + 1, and `response = completion_mask[:, 1:]`
+marks the response positions. Rows are TRL's stacked batch: [chosen_0..chosen_{B-1}; rejected_0..rejected_{B-1}].
+Equations refer to docs/method.md.
+"""
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def mask_generator(seed: int, step: int, micro_step: int, rank: int) -> torch.Generator:
+    """A dedicated CPU generator fixed by (seed, global step, micro-step, rank); the global RNG is never touched."""
+    digest = hashlib.sha256(f"trl-pruned-dpo:{seed}:{step}:{micro_step}:{rank}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def response_index(response: torch.Tensor) -> torch.Tensor:
+    """1-based index t of each response position within its row (0 outside the response)."""
+    return response.long().cumsum(dim=1) * response.long()
+
+
+def shortest_prefix(lengths: torch.Tensor, min_ratio: float) -> torch.Tensor:
+    """k0 = ceil(min_ratio * L), at least 1 for a non-empty response (round-off guarded: 0.7 * 10 is 7, not 8)."""
+    k0 = torch.tensor([math.ceil(round(min_ratio * int(n), 9)) for n in lengths.tolist()], dtype=torch.long)
+    return torch.clamp(k0, min=1).minimum(lengths.cpu().long().clamp(min=1))
+
+
+def prefix_inclusion_prob(response: torch.Tensor, prune_prob: float, min_ratio: float) -> torch.Tensor:
+    """q_t = P(K >= t) = (1 - p) + p * P(U >= t), U uniform on [k0, L] (Eq. 2); 0 outside the response."""
+    t = response_index(response).cpu()
+    lengths = response.sum(dim=1).cpu().long()
+    k0 = shortest_prefix(lengths, min_ratio)
+    L, k0 = lengths.unsqueeze(1), k0.unsqueeze(1)
+    tail = (L - t + 1).double() / (L - k0 + 1).clamp(min=1).double()
+    p_uniform_ge_t = torch.where(t <= k0, torch.ones_like(tail), tail)
+    q = (1.0 - prune_prob) + prune_prob * p_uniform_ge_t
+    return torch.where(t > 0, q, torch.zeros_like(q)).to(response.device)
+
+
+def draw_prefix_keep(
+    response: torch.Tensor, prune_prob: float, min_ratio: float, generator: torch.Generator
+) -> torch.Tensor:
+    """Boolean (rows, cols): response token t survives iff t <= K, K = L with prob. 1 - p, else uniform on [k0, L]."""
+    t = response_index(response).cpu()
+    lengths = response.sum(dim=1).cpu().long()
+    rows = lengths.numel()
+    k0 = shortest_prefix(lengths, min_ratio)
+    cut = torch.rand(rows, generator=generator) < prune_prob
+    u = torch.rand(rows, generator=generator)
+    uniform_k = k0 + torch.floor(u * (lengths - k0 + 1).double()).long().minimum(lengths - k0)
+    k = torch.where(cut, uniform_k, lengths)
+    return ((t > 0) & (t <= k.unsqueeze(1))).to(response.device)
+
+
+def draw_positions(response: torch.Tensor, keep_prob: float, generator: torch.Generator) -> torch.Tensor:
+    """Boolean (rows, cols): m_t ~ Bernoulli(keep_prob) on response positions (Eq. 1)."""
+    m = torch.rand(response.shape, generator=generator) < keep_prob
+    return m.to(response.device) & response.bool()
+
+
+def draw_branches(num_pairs: int, keep_prob: float, sampling: str, generator: torch.Generator) -> torch.Tensor:
+    """Boolean (2 * num_pairs,): z_b, whether each row ([chosen; rejected]) is backpropagated. P(z_b = 1) = keep_prob.
+
+    "paired" stratifies per pair: for p >= 1/2 one branch (a fair coin picks which) always and the other with
+    probability 2p - 1; for p < 1/2 one branch with probability 2p, else none. "independent": z_b ~ Bernoulli(p).
+    """
+    if sampling == "independent":
+        return torch.rand(2 * num_pairs, generator=generator) < keep_prob
+    if sampling != "paired":
+        raise ValueError(f"Unknown branch_sampling {sampling!r}")
+    first_is_chosen = torch.rand(num_pairs, generator=generator) < 0.5
+    u = torch.rand(num_pairs, generator=generator)
+    if keep_prob >= 0.5:
+        first, second = torch.ones(num_pairs, dtype=torch.bool), u < 2 * keep_prob - 1
+    else:
+        first, second = u < 2 * keep_prob, torch.zeros(num_pairs, dtype=torch.bool)
+    chosen = torch.where(first_is_chosen, first, second)
+    rejected = torch.where(first_is_chosen, second, first)
+    return torch.cat([chosen, rejected])
+
+
+def common_prefix(input_ids: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+    """Boolean (rows, cols): the response tokens that chosen and rejected share at their start, in both rows.
+
+    Within a pair the prompt tokens are identical and the responses start at the same column, so a leading run of
+    equal columns means same token *and* same context: the log-ratio of such a token is the same in both branches.
+    """
+    ids_w, ids_l = input_ids[:, 1:].chunk(2)
+    resp_w, resp_l = response.bool().chunk(2)
+    equal = (ids_w == ids_l) & (resp_w == resp_l)
+    run = equal.long().cumprod(dim=1).bool()
+    return torch.cat([run & resp_w, run & resp_l])
+
+
+@dataclass
+class PruneMasks:
+    """One draw of the three masks for a stacked batch, in shifted coordinates.
+
+    scored:      (rows, cols) bool, positions that go through the LM head
+    weights:     (rows, cols) float, 1 / (p_pos * q_t) on scored positions, 0 elsewhere (Eqs. 1-2)
+    executed:    (rows,) long, input columns each row must execute: up to its last scored token (0 if none)
+    backprop:    (rows,) bool, z_b: rows whose forward keeps activations and gets a backward
+    branch_scale:(rows,) float, z_b / p_br (Eq. 3)
+    exact:       (rows, cols) bool, what an unpruned computation scores: the response, less the common prefix if
+                 that is dropped (it cancels exactly, so it is not a sample)
+    """
+
+    scored: torch.Tensor
+    weights: torch.Tensor
+    executed: torch.Tensor
+    backprop: torch.Tensor
+    branch_scale: torch.Tensor
+    exact: torch.Tensor
+
+
+def draw_masks(
+    input_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    position_keep_prob: float,
+    prefix_prune_prob: float,
+    prefix_min_ratio: float,
+    branch_keep_prob: float,
+    branch_sampling: str,
+    drop_common_prefix: bool,
+    generator: torch.Generator,
+) -> PruneMasks:
+    """Draw all masks for one micro-batch. With every probability at its identity value, nothing is pruned."""
+    response = completion_mask[:, 1:].bool()
+    rows = response.size(0)
+    exact = response & ~common_prefix(input_ids, response) if drop_common_prefix else response
+    keep = exact.clone()
+    q = torch.ones(response.shape, dtype=torch.float64, device=response.device)
+    if prefix_prune_prob > 0:
+        keep &= draw_prefix_keep(response, prefix_prune_prob, prefix_min_ratio, generator)
+        q = prefix_inclusion_prob(response, prefix_prune_prob, prefix_min_ratio)
+    if position_keep_prob < 1:
+        keep &= draw_positions(response, position_keep_prob, generator)
+    inclusion = q * position_keep_prob
+    weights = torch.where(keep, 1.0 / inclusion.clamp(min=1e-12), torch.zeros_like(inclusion)).float()
+    cols = torch.arange(1, response.size(1) + 1, device=response.device)
+    executed = (keep.long() * (cols + 1)).amax(dim=1) if keep.numel() else torch.zeros(rows, dtype=torch.long)
+    if branch_keep_prob < 1:
+        backprop = draw_branches(rows // 2, branch_keep_prob, branch_sampling, generator).to(response.device)
+    else:
+        backprop = torch.ones(rows, dtype=torch.bool, device=response.device)
+    branch_scale = backprop.float() / branch_keep_prob
+    return PruneMasks(keep, weights, executed, backprop, branch_scale, exact)
