@@ -75,3 +75,49 @@ def dataset():
 def model_pair(tokenizer):
     model = tiny_model(tokenizer)
     return model, copy.deepcopy(model)
+
+
+BASE_ARGS = dict(
+    output_dir="unused",
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=4,
+    max_steps=2,
+    learning_rate=1e-3,
+    report_to="none",
+    bf16=False,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+
+
+def build_trainer(trainer_cls, config_cls, tokenizer, train_dataset, tmp_path, *, model=None, ref_model="copy",
+                  seed=0, **overrides):
+    """A trainer on the tiny local model; the policy starts away from the reference so log-ratios are non-zero."""
+    if model is None:
+        model = tiny_model(tokenizer, seed=seed)
+    if ref_model == "copy":
+        ref_model = copy.deepcopy(model)
+        with torch.no_grad():  # move the policy off the reference: d_t != 0
+            g = torch.Generator().manual_seed(seed + 1)
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    args = config_cls(**{**BASE_ARGS, "output_dir": str(tmp_path), **overrides})
+    return trainer_cls(model=model, ref_model=ref_model, args=args, train_dataset=train_dataset,
+                       processing_class=tokenizer)
+
+
+def first_batch(trainer, n=4):
+    """The first n training examples, collated the way training collates them (no shuffling)."""
+    trainer.model.train()
+    data = trainer._remove_unused_columns(trainer.train_dataset, description="test")
+    return trainer._prepare_inputs(trainer.data_collator([data[i] for i in range(n)]))
+
+
+def loss_and_grads(trainer, batch):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads

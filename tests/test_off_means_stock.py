@@ -1,0 +1,100 @@
+"""Contract: with every keep probability at 1 and no prefix pruning, PrunedDPOTrainer is stock TRL DPOTrainer —
+same loss, same gradients, same logged metrics, up to float round-off."""
+
+import pytest
+import torch
+from peft import LoraConfig
+from trl import DPOConfig, DPOTrainer
+
+from conftest import build_trainer, first_batch, loss_and_grads, tiny_model
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+
+LOSS_CASES = [
+    {"loss_type": ["sigmoid"]},
+    {"loss_type": ["ipo"]},
+    {"loss_type": ["hinge"]},
+    {"loss_type": ["bco_pair"]},
+    {"loss_type": ["sppo_hard"]},
+    {"loss_type": ["nca_pair"]},
+    {"loss_type": ["aot"]},
+    {"loss_type": ["apo_zero"]},
+    {"loss_type": ["discopop"]},
+    {"loss_type": ["sigmoid_norm"]},
+    {"loss_type": ["exo_pair"], "label_smoothing": 1e-3},
+    {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+    {"loss_type": ["sigmoid"], "ld_alpha": 0.5},
+    {"loss_type": ["sigmoid"], "use_weighting": True},
+    {"loss_type": ["sigmoid"], "f_divergence_type": "js_divergence"},
+]
+
+
+def assert_same_step(stock, pruned, batch_size=4):
+    batch_stock, batch_pruned = first_batch(stock, batch_size), first_batch(pruned, batch_size)
+    loss_s, grads_s = loss_and_grads(stock, batch_stock)
+    loss_p, grads_p = loss_and_grads(pruned, batch_pruned)
+    torch.testing.assert_close(loss_p, loss_s, rtol=1e-5, atol=1e-6)
+    assert grads_s.keys() == grads_p.keys()
+    for name in grads_s:
+        scale = float(grads_s[name].abs().max()) + 1e-12  # round-off is relative to the tensor's magnitude
+        torch.testing.assert_close(grads_p[name], grads_s[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+    metrics_s = {k: v[-1] for k, v in stock._metrics["train"].items()}
+    metrics_p = {k: v[-1] for k, v in pruned._metrics["train"].items()}
+    for key, value in metrics_s.items():
+        assert metrics_p[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert metrics_p["prune/positions_scored"] == 1.0
+    assert metrics_p["prune/branches_backpropagated"] == 1.0
+
+
+@pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_loss_gradients_and_metrics_equal_stock(case, tokenizer, dataset, tmp_path):
+    stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path / "s", **case)
+    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **case)
+    assert_same_step(stock, pruned)
+
+
+def test_equal_stock_with_precomputed_reference(tokenizer, dataset, tmp_path):
+    kw = {"precompute_ref_log_probs": True, "ld_alpha": 0.7}
+    stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path / "s", **kw)
+    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **kw)
+    # the stored sums agree with TRL's
+    for column in ("ref_chosen_logps", "ref_rejected_logps"):
+        torch.testing.assert_close(torch.tensor(pruned.train_dataset[column]), torch.tensor(stock.train_dataset[column]),
+                                   rtol=1e-5, atol=1e-5)
+    assert_same_step(stock, pruned)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_equal_stock_with_peft(tokenizer, dataset, tmp_path, precompute):
+    def make(trainer_cls, config_cls, out):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        model = tiny_model(tokenizer)
+        args = config_cls(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, report_to="none",
+                          bf16=False, precompute_ref_log_probs=precompute, learning_rate=1e-3)
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                              peft_config=lora)
+        with torch.no_grad():  # move the adapter off zero so the policy differs from the reference
+            g = torch.Generator().manual_seed(5)
+            for name, p in trainer.model.named_parameters():
+                if "lora_B" in name and ".default." in name:
+                    p.add_(0.1 * torch.randn(p.shape, generator=g))
+        return trainer
+
+    assert_same_step(make(DPOTrainer, DPOConfig, tmp_path / "s"), make(PrunedDPOTrainer, PrunedDPOConfig, tmp_path / "p"))
+
+
+def test_training_run_logs_the_same_history(tokenizer, dataset, tmp_path):
+    """Two optimizer steps through Trainer.train(): every TRL metric logged at every step matches."""
+    kw = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}
+    stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path / "s", **kw)
+    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **kw)
+    stock.train()
+    pruned.train()
+    history_s = [h for h in stock.state.log_history if "loss" in h]
+    history_p = [h for h in pruned.state.log_history if "loss" in h]
+    assert len(history_s) == len(history_p) == 2
+    for hs, hp in zip(history_s, history_p):
+        for key, value in hs.items():
+            if key in ("epoch", "step", "learning_rate") or not isinstance(value, float):
+                continue
+            assert hp[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+        assert hp["prune/tokens_executed"] <= 1.0
