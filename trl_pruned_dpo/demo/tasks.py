@@ -165,3 +165,20 @@ def make_splits(
     seen = {example["prompt"] for example in train}
     test = [e for e in make_examples(task, n_test, seed + 1_000_003, min_size, max_size) if e["prompt"] not in seen]
     return DatasetDict(train=Dataset.from_list(train), test=Dataset.from_list(test))
+
+
+# --- built-in dataset names -------------------------------------------------------------------------------------------
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_SPLIT_SIZES = {"train": 4096, "test": 256}
+
+
+def load_builtin(name: str, seed: int = 0) -> DatasetDict:
+    """The dataset named ``builtin:<task>`` (sort, add, reverse, mix): 4096 train and up to 256 held-out test pairs
+    with default sizes, generated in memory (well under a second) from `seed`."""
+    task = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
+    if task not in TASKS + ("mix",):
+        raise ValueError(
+            f"Unknown built-in dataset {name!r}: choose among {[BUILTIN_PREFIX + t for t in TASKS + ('mix',)]}."
+        )
+    return make_splits(task, BUILTIN_SPLIT_SIZES["train"], BUILTIN_SPLIT_SIZES["test"], seed)

@@ -1,0 +1,101 @@
+"""Built-in tiny models: a small Llama built from a config, deterministic from a seed, cached as a local folder.
+
+``builtin:<name>`` (e.g. ``builtin:tiny-demo``) is accepted wherever a model id is: `resolve_model` turns it into a
+folder under the cache (``$TRL_PRUNED_DPO_CACHE``, default ``~/.cache/trl_pruned_dpo``) holding the model and the
+character-level tokenizer, writing it on first use. Everything downstream then loads from that folder exactly as it
+would a downloaded hub model, so TRL's reference model, which DPOTrainer reloads from the policy's
+``name_or_path``, is read from disk too and no network is ever touched.
+
+The weights are random (a seeded init, not pretrained): DPO on the demo tasks is learned from scratch.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from .tokenizer import build_tokenizer
+
+BUILTIN_PREFIX = "builtin:"
+# name -> LlamaConfig fields. Changing a spec changes its cache folder (the folder name holds a hash of the spec).
+BUILTIN_MODELS = {
+    "tiny-demo": dict(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=512,
+    ),
+    "small-demo": dict(
+        hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=1024,
+    ),
+}
+_FORMAT_VERSION = 1  # bump when the tokenizer or the way models are built changes
+
+
+def cache_dir() -> Path:
+    """Root of the demo cache: ``$TRL_PRUNED_DPO_CACHE``, else ``$XDG_CACHE_HOME/trl_pruned_dpo`` (~/.cache)."""
+    if os.environ.get("TRL_PRUNED_DPO_CACHE"):
+        return Path(os.environ["TRL_PRUNED_DPO_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "trl_pruned_dpo"
+
+
+def is_builtin(name_or_path: str | None) -> bool:
+    return isinstance(name_or_path, str) and name_or_path.startswith(BUILTIN_PREFIX)
+
+
+def build_model(name: str = "tiny-demo", seed: int = 0) -> LlamaForCausalLM:
+    """A freshly initialised built-in model (fp32), the same weights for the same (name, seed) on every machine."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"Unknown built-in model {name!r}: choose among {sorted(BUILTIN_MODELS)}.")
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        **BUILTIN_MODELS[name],
+    )
+    with torch.random.fork_rng(devices=[]):  # seed the init without moving the caller's global RNG
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.float()
+
+
+def _folder(name: str, seed: int) -> Path:
+    spec = json.dumps([_FORMAT_VERSION, BUILTIN_MODELS[name]], sort_keys=True)
+    return cache_dir() / "models" / f"{name}-seed{seed}-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
+
+
+def resolve_model(name_or_path: str, seed: int = 0) -> str:
+    """Return a loadable path for `name_or_path`: ``builtin:<name>`` becomes its cached folder (built and saved on
+    first use); anything else (a local folder, a hub id) is returned unchanged."""
+    if not is_builtin(name_or_path):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"Unknown built-in model {name_or_path!r}: choose among "
+            f"{[BUILTIN_PREFIX + n for n in sorted(BUILTIN_MODELS)]}, or pass a local folder or a hub id."
+        )
+    folder = _folder(name, seed)
+    if (folder / "model.safetensors").is_file():
+        return str(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling and rename: concurrent processes (one per rank) never see a half-written folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        build_model(name, seed).save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process got there first; its folder is identical
+            if not (folder / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(folder)
