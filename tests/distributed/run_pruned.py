@@ -1,0 +1,197 @@
+"""Launched by tests/test_distributed.py under `accelerate launch`: train the tiny local model a few steps per run and
+record, per rank, what it did.
+
+    accelerate launch --multi_gpu --num_processes 2 tests/distributed/run_pruned.py --spec runs.json --out DIR
+
+`runs.json` is a list of runs, executed in order in the same processes (one launch, one process group, several
+trainers: the import and start-up cost is paid once). Each run is a dict:
+
+    name        output folder under DIR
+    trainer     "pruned" (PrunedDPOTrainer) or "stock" (trl.DPOTrainer)
+    reference   "model" (a separate in-memory reference), "peft" (LoRA policy, reference = adapter disabled) or
+                "precompute" (a separate reference, `precompute_ref_log_probs=True`)
+    config      overrides of the config fields below (e.g. branch_keep_prob, gradient_accumulation_steps)
+    resume      optional checkpoint folder, relative to DIR, to resume from
+
+Per run and rank it writes DIR/<name>/rank<r>.json (engine, log history, training loss, every mask draw with the
+batch it was drawn for) and DIR/<name>/weights_rank<r>.pt (the trainable parameters after training, gathered in full
+whatever the sharding), plus DIR/<name>/weights_initial.pt (rank 0, before training). Nothing touches a hub.
+
+RUN_PRUNED_FSDP_ON_CPU=1 lets accelerate's FSDP run on CPU (see `allow_fsdp_on_cpu`).
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # the local tokenizer and model builder; the package, uninstalled
+from conftest import char_tokenizer, preference_rows, tiny_model  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer  # noqa: E402
+
+BASE_CONFIG = dict(
+    per_device_train_batch_size=2,
+    max_steps=2,
+    learning_rate=1e-3,
+    report_to="none",
+    bf16=False,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+    seed=0,
+    max_length=64,
+)
+
+
+def build(run: dict, out: Path, tokenizer, dataset):
+    pruned = run.get("trainer", "pruned") == "pruned"
+    config_cls, trainer_cls = (PrunedDPOConfig, PrunedDPOTrainer) if pruned else (DPOConfig, DPOTrainer)
+    reference = run.get("reference", "model")
+    overrides = dict(run.get("config", {}))
+    if reference == "precompute":
+        overrides["precompute_ref_log_probs"] = True
+    args = config_cls(output_dir=str(out / run["name"]), **{**BASE_CONFIG, **overrides})
+    model = tiny_model(tokenizer, seed=0)
+    if reference == "peft":
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                              peft_config=lora)
+        # Move the adapter off zero (same draw on every rank) so the policy differs from the reference
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for name, p in sorted(trainer.model.named_parameters()):
+                if "lora_B" in name:
+                    p.add_(0.1 * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
+        return trainer
+    ref_model = copy.deepcopy(model)
+    with torch.no_grad():  # move the policy off the reference so the log-ratios are not all zero
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return trainer_cls(model=model, ref_model=ref_model, args=args, train_dataset=dataset,
+                       processing_class=tokenizer)
+
+
+def record_draws(trainer) -> list:
+    """Wrap the trainer's mask draw to keep, per micro-step, the masks and the batch they were drawn for."""
+    draws = []
+    if not hasattr(trainer, "_draw_masks"):
+        return draws
+    draw = trainer._draw_masks
+
+    def recording(inputs):
+        masks = draw(inputs)
+        step, micro = trainer._mask_step
+        draws.append({
+            "step": step,
+            "micro": micro,
+            "input_ids": inputs["input_ids"].tolist(),
+            "completion_mask": inputs["completion_mask"].tolist(),
+            "scored": masks.scored.int().tolist(),
+            "backprop": masks.backprop.int().tolist(),
+        })
+        return masks
+
+    trainer._draw_masks = recording
+    return draws
+
+
+def trainable_parameters(trainer) -> tuple[dict[str, torch.Tensor], int]:
+    """Every trainable parameter in full (a collective under FSDP / ZeRO-3: all ranks call it), and how many elements
+    of them this rank holds (fewer than in full when they are sharded)."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if hasattr(params[0][1], "ds_id"):  # DeepSpeed ZeRO-3: gather the partitions
+        import deepspeed
+
+        local = sum(p.ds_tensor.numel() for _, p in params)
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().float().cpu().clone() for n, p in params}, local
+    full, local = {}, 0
+    for name, p in params:
+        if hasattr(p, "full_tensor"):  # FSDP2 DTensor
+            local += p.to_local().numel()
+            p = p.full_tensor()
+        else:
+            local += p.numel()
+        full[name.replace("_fsdp_wrapped_module.", "")] = p.detach().float().cpu().clone()
+    return full, local
+
+
+def allow_fsdp_on_cpu():
+    """Test-only shim: let accelerate run FSDP over gloo on CPU.
+
+    accelerate turns `--use_fsdp` into `DistributedType.FSDP` only on accelerator devices; on CPU it stays MULTI_CPU
+    and the model gets DDP. torch's FSDP2 itself runs on CPU with gloo, so this finishes what accelerate does on a GPU
+    (`AcceleratorState.__init__`): switch the type to FSDP and keep the plugin. Used when RUN_PRUNED_FSDP_ON_CPU=1.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    AcceleratorState.__init__ = __init__
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True, help="JSON file: the list of runs")
+    parser.add_argument("--out", required=True)
+    cli = parser.parse_args()
+    if os.environ.get("RUN_PRUNED_FSDP_ON_CPU") == "1":
+        allow_fsdp_on_cpu()
+    out = Path(cli.out)
+    runs = json.loads(Path(cli.spec).read_text())
+    tokenizer = char_tokenizer()
+    dataset = Dataset.from_list(preference_rows(16))
+    for run in runs:
+        trainer = build(run, out, tokenizer, dataset)
+        draws = record_draws(trainer)
+        folder = out / run["name"]
+        folder.mkdir(parents=True, exist_ok=True)
+        rank = trainer.accelerator.process_index
+        if rank == 0:  # before `train()` prepares (wraps or shards) the model
+            params = trainer.model.named_parameters()
+            torch.save({n: p.detach().float().cpu().clone() for n, p in params if p.requires_grad},
+                       folder / "weights_initial.pt")
+        resume = str(out / run["resume"]) if run.get("resume") else None
+        result = trainer.train(resume_from_checkpoint=resume)
+        weights, local_numel = trainable_parameters(trainer)
+        torch.save(weights, folder / f"weights_rank{rank}.pt")
+        report = {
+            "rank": rank,
+            "world_size": trainer.accelerator.num_processes,
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "model_class": type(trainer.model_wrapped).__name__,
+            "local_numel": local_numel,
+            "full_numel": sum(w.numel() for w in weights.values()),
+            "training_loss": result.training_loss,
+            "global_step": trainer.state.global_step,
+            "log_history": trainer.state.log_history,
+            "draws": draws,
+        }
+        (folder / f"rank{rank}.json").write_text(json.dumps(report))
+        trainer.accelerator.wait_for_everyone()
+        del trainer
+
+
+if __name__ == "__main__":
+    main()

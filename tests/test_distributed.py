@@ -1,0 +1,256 @@
+"""Two processes on CPU over gloo, launched with `accelerate launch`: the pruned trainer under DDP and FSDP2.
+
+Per engine, one launch of tests/distributed/run_pruned.py trains several tiny runs in the same two processes (the
+start-up is most of the cost) and records, per rank, every mask draw with its batch and the final weights. Checked:
+
+- every run finishes on both ranks, in sync (identical weights: the gradients were all-reduced),
+  with the grad / no-grad / reference forwards mixed, gradient checkpointing on (TRL's default) and off, gradient
+  accumulation (`no_sync` micro-steps), a rank whose backpropagated group is empty, a PEFT reference and a
+  precomputed one;
+- masks: each rank draws its own, reproducible from (prune_seed, step, micro-step, rank); micro-steps draw fresh
+  masks; a resumed run continues the stream (same masks, same weights as the uninterrupted run);
+- pruning off, two processes: the same losses, metrics and weights as stock `trl.DPOTrainer` on two processes;
+- FSDP2 (parameters really sharded: each rank holds half of them) ends every run on the weights DDP ends on.
+
+accelerate runs FSDP only on accelerator devices; the runner's test-only shim (`allow_fsdp_on_cpu`) lets it run on
+CPU, where torch's FSDP2 works over gloo. DeepSpeed does not run here: docs/distributed.md has its GPU command.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_pruned_dpo.masks import draw_masks, mask_generator
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = ROOT / "tests" / "distributed" / "run_pruned.py"
+WORLD = 2
+SEED = 0  # the runner's `seed`, hence `prune_seed`
+
+PRUNED = {"branch_keep_prob": 0.5, "position_keep_prob": 0.7, "prefix_prune_prob": 0.5}
+ACCUM = {"gradient_accumulation_steps": 2, "max_steps": 4}
+RUNS = [
+    # pruning off vs stock: gradient accumulation, so the loss scaling across ranks and micro-steps is compared too
+    {"name": "stock", "trainer": "stock", "config": {"gradient_accumulation_steps": 2, "max_steps": 2}},
+    {"name": "off", "trainer": "pruned", "config": {"gradient_accumulation_steps": 2, "max_steps": 2}},
+    # every pruning on, gradient accumulation, a checkpoint at step 2 to resume from
+    {"name": "pruned", "config": {**PRUNED, **ACCUM, "save_strategy": "steps", "save_steps": 2}},
+    {"name": "resumed", "config": {**PRUNED, **ACCUM}, "resume": "pruned/checkpoint-2"},
+    # one pair per rank, independent branches at 0.3: some steps a rank backpropagates nothing (its grad group is the
+    # 1-row dummy) while the other does; no checkpointing, so DDP looks for unused parameters
+    {"name": "sparse", "config": {"branch_keep_prob": 0.3, "branch_sampling": "independent",
+                                  "per_device_train_batch_size": 1, "max_steps": 6, "gradient_checkpointing": False}},
+    {"name": "peft", "reference": "peft", "config": {**PRUNED, "max_steps": 2}},
+    {"name": "precompute", "reference": "precompute", "config": {**PRUNED, "max_steps": 2}},
+]
+CONFIGS = {run["name"]: run["config"] for run in RUNS}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# `accelerate launch` flags per engine (the processes, port and precision are added below)
+ENGINES = {
+    "ddp": ["--multi_gpu"],
+    "fsdp2": [
+        "--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+        "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer", "--fsdp_state_dict_type", "FULL_STATE_DICT",
+    ],
+}
+EXPECTED_TYPE = {"ddp": "DistributedType.MULTI_CPU", "fsdp2": "DistributedType.FSDP"}
+
+
+def launch(engine: str, out: Path, runs: list, timeout: int = 300) -> None:
+    spec = out / "spec.json"
+    spec.write_text(json.dumps(runs))
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",  # the trainer then asks accelerate for MULTI_CPU (gloo), even on a GPU machine
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "RUN_PRUNED_FSDP_ON_CPU": "1" if engine == "fsdp2" else "0",
+    }
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine],
+        "--num_processes", str(WORLD), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+        str(RUNNER), "--spec", str(spec), "--out", str(out),
+    ]
+    # Own process group, so that a hang (the failure mode of a rank running other modules) is killed whole
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"accelerate launch ({engine}) hung for {timeout}s:\n{log[-6000:]}")
+    (out / "launch.log").write_text(log)
+    assert proc.returncode == 0, f"accelerate launch ({engine}) failed ({proc.returncode}):\n{log[-6000:]}"
+
+
+_LAUNCHED: dict[str, Path] = {}
+
+
+def launched(engine: str, tmp_path_factory) -> Path:
+    """The output folder of the engine's launch (each engine is launched once per session)."""
+    if engine not in _LAUNCHED:
+        out = tmp_path_factory.mktemp(engine)
+        launch(engine, out, RUNS)
+        _LAUNCHED[engine] = out
+    return _LAUNCHED[engine]
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def engine_run(request, tmp_path_factory):
+    return request.param, launched(request.param, tmp_path_factory)
+
+
+def report(out: Path, name: str, rank: int) -> dict:
+    return json.loads((out / name / f"rank{rank}.json").read_text())
+
+
+def weights(out: Path, name: str, rank) -> dict:
+    suffix = "initial" if rank == "initial" else f"rank{rank}"
+    return torch.load(out / name / f"weights_{suffix}.pt")
+
+
+def losses(history: list) -> list:
+    return [h for h in history if "loss" in h]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [run["name"] for run in RUNS])
+def test_finishes_on_both_ranks_in_sync(engine_run, name):
+    engine, out = engine_run
+    config = CONFIGS[name]
+    for rank in range(WORLD):
+        r = report(out, name, rank)
+        assert (r["rank"], r["world_size"]) == (rank, WORLD)
+        assert r["distributed_type"] == EXPECTED_TYPE[engine]
+        if engine == "ddp":
+            assert r["model_class"] == "DistributedDataParallel" and r["local_numel"] == r["full_numel"]
+        else:  # each rank holds its shard of every trainable parameter
+            assert r["model_class"].startswith("FSDP") and r["local_numel"] <= r["full_numel"] // WORLD + 64
+        assert r["global_step"] == config.get("max_steps", 2)
+        assert all(torch.isfinite(torch.tensor(h["loss"])) for h in losses(r["log_history"]))
+    w0, w1, w_init = weights(out, name, 0), weights(out, name, 1), weights(out, name, "initial")
+    assert w0.keys() == w1.keys() == w_init.keys()
+    for key in w0:  # the gradients were all-reduced: both ranks took the same optimizer steps
+        torch.testing.assert_close(w0[key], w1[key], rtol=0, atol=0, msg=key)
+    assert any(not torch.equal(w0[k], w_init[k]) for k in w0), "training did not move the weights"
+
+
+@pytest.mark.slow
+def test_pruning_off_matches_stock_on_two_processes(engine_run):
+    _, out = engine_run
+    for rank in range(WORLD):
+        stock, off = losses(report(out, "stock", rank)["log_history"]), losses(report(out, "off", rank)["log_history"])
+        assert len(stock) == len(off) == 2
+        for hs, ho in zip(stock, off):
+            for key, value in hs.items():
+                if isinstance(value, float) and key not in ("epoch", "learning_rate"):
+                    assert ho[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (rank, hs["step"], key)
+            assert ho["prune/branches_backpropagated"] == 1.0 and ho["prune/positions_scored"] == 1.0
+    w_stock, w_off = weights(out, "stock", 0), weights(out, "off", 0)
+    for key in w_stock:
+        torch.testing.assert_close(w_off[key], w_stock[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def redraw(draw: dict, config: dict, rank: int):
+    """The masks `draw` should hold, from (seed, step, micro-step, rank) and the recorded batch alone."""
+    return draw_masks(
+        torch.tensor(draw["input_ids"]),
+        torch.tensor(draw["completion_mask"]),
+        position_keep_prob=config.get("position_keep_prob", 1.0),
+        prefix_prune_prob=config.get("prefix_prune_prob", 0.0),
+        prefix_min_ratio=0.5,
+        branch_keep_prob=config.get("branch_keep_prob", 1.0),
+        branch_sampling=config.get("branch_sampling", "paired"),
+        drop_common_prefix=False,
+        generator=mask_generator(SEED, draw["step"], draw["micro"], rank),
+    )
+
+
+def same(draw: dict, masks) -> bool:
+    return draw["scored"] == masks.scored.int().tolist() and draw["backprop"] == masks.backprop.int().tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pruned", "sparse", "peft", "precompute"])
+def test_masks_are_per_rank_and_reproducible(engine_run, name):
+    _, out = engine_run
+    config = CONFIGS[name]
+    accum, steps = config.get("gradient_accumulation_steps", 1), config.get("max_steps", 2)
+    draws = {rank: report(out, name, rank)["draws"] for rank in range(WORLD)}
+    other_rank_differs = 0
+    for rank in range(WORLD):
+        # one fresh draw per micro-step, in order
+        assert [(d["step"], d["micro"]) for d in draws[rank]] == [(s, m) for s in range(steps) for m in range(accum)]
+        for d in draws[rank]:
+            assert same(d, redraw(d, config, rank)), (rank, d["step"], d["micro"])
+            other_rank_differs += not same(d, redraw(d, config, 1 - rank))
+    # the ranks' streams are not the same stream: another rank's generator on this batch draws other masks
+    assert other_rank_differs >= len(draws[0])  # at least half of the (rank, micro-step) draws
+    backprop = {rank: [d["backprop"] for d in draws[rank]] for rank in range(WORLD)}
+    assert backprop[0] != backprop[1]
+    if accum > 1:  # micro-steps of one step draw from different generators
+        for rank in range(WORLD):
+            pairs = [(d, e) for d, e in zip(draws[rank], draws[rank][1:]) if d["step"] == e["step"]]
+            assert any(not same(e, redraw(e | {"micro": d["micro"]}, config, rank)) for d, e in pairs)
+
+
+@pytest.mark.slow
+def test_a_rank_with_nothing_to_backpropagate_keeps_step(engine_run):
+    """Its empty grad group runs the 1-row dummy forward: no hang, no DDP/FSDP error, ranks in sync (checked above)."""
+    _, out = engine_run
+    draws = {rank: report(out, "sparse", rank)["draws"] for rank in range(WORLD)}
+    lopsided = [
+        (d0["step"], sum(d0["backprop"]), sum(d1["backprop"]))
+        for d0, d1 in zip(draws[0], draws[1])
+        if (sum(d0["backprop"]) == 0) != (sum(d1["backprop"]) == 0)
+    ]
+    assert lopsided, "the seed drew no step where exactly one rank had an empty backpropagated group"
+
+
+@pytest.mark.slow
+def test_resume_continues_the_mask_stream(engine_run):
+    _, out = engine_run
+    for rank in range(WORLD):
+        full = {(d["step"], d["micro"]): d for d in report(out, "pruned", rank)["draws"]}
+        resumed = report(out, "resumed", rank)["draws"]
+        assert [d["step"] for d in resumed] == [2, 2, 3, 3]
+        for d in resumed:
+            assert d == full[(d["step"], d["micro"])], (rank, d["step"], d["micro"])  # same batch, same masks
+        history = losses(report(out, "resumed", rank)["log_history"])
+        reference = {h["step"]: h["loss"] for h in losses(report(out, "pruned", rank)["log_history"])}
+        assert [h["step"] for h in history] == [1, 2, 3, 4]  # steps 1-2 come back from the checkpoint's state
+        for h in history:
+            assert h["loss"] == pytest.approx(reference[h["step"]], rel=1e-5)
+    w_full, w_resumed = weights(out, "pruned", 0), weights(out, "resumed", 0)
+    for key in w_full:
+        torch.testing.assert_close(w_resumed[key], w_full[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [run["name"] for run in RUNS])
+def test_fsdp2_ends_where_ddp_ends(tmp_path_factory, name):
+    """Same data, same masks, sharded parameters: the same weights as DDP, up to float round-off."""
+    w_ddp = weights(launched("ddp", tmp_path_factory), name, 0)
+    w_fsdp = weights(launched("fsdp2", tmp_path_factory), name, 0)
+    assert w_ddp.keys() == w_fsdp.keys()
+    for key in w_ddp:
+        torch.testing.assert_close(w_fsdp[key], w_ddp[key], rtol=1e-5, atol=1e-6, msg=key)
