@@ -1,0 +1,409 @@
+"""Step time and peak memory: stock TRL `DPOTrainer` against `PrunedDPOTrainer`, with the FLOP limit of each ratio.
+
+    python -m benchmarks.step_time            # --quick (default): the main grid, a few minutes on 2 CPU cores
+    python -m benchmarks.step_time --full     # + more rounds, memory for every cell, response-length/vocab scaling
+    python -m benchmarks.step_time --smoke    # tiniest mode (CI): checks the harness, numbers mean nothing
+
+A *group* is one workload (model shape, vocabulary, lengths, batch) with one reference mode (live reference model, or
+`precompute_ref_log_probs=True`) and gradient checkpointing on or off. Inside a group every trainer is built on an
+identical copy of the model and dataset with the same seed: one stock `trl.DPOTrainer` and one `PrunedDPOTrainer`
+per pruning setting. After warm-up the trainers take steps in rounds -- stock, then each pruned setting, the order
+reversed every round -- so that slow drifts of a shared machine hit every side alike; each setting's speedup is
+median(stock step) / median(pruned step). A step is what `Trainer.train` does per optimizer step on one process
+(workload.StepRunner). Peak memory is measured separately, each trainer in a fresh process (memory.py).
+
+Beside every measured speedup: the FLOP limit (flops.py) from the work each side really did (tokens executed, head
+positions scored, rows backpropagated, reference forwards, checkpointing recompute), and efficiency = measured/limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+
+from benchmarks.flops import Shape, Work, mean_flops, mean_work, pruned_work, stock_work
+from benchmarks.workload import Workload, StepRunner, build_model, build_trainer, quiet
+
+# Pruning settings (PrunedDPOConfig fields). "none" separates what the compacted head alone buys (stock TRL on CPU scores
+# every position, prompt and padding included; the pruned trainer only the kept response positions). "max": the most aggressive setting we would still train with -- one branch
+# per pair, a quarter of the positions, and three responses in four cut to a prefix of at least half.
+SETTINGS = {
+    "none": {},  # every probability at 1: no pruning, only the pruned trainer's compacted LM head (see the doc)
+    "branch": dict(branch_keep_prob=0.5),
+    "position": dict(position_keep_prob=0.5),
+    "prefix": dict(prefix_prune_prob=0.5),
+    "combined": dict(branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5),
+    "max": dict(branch_keep_prob=0.5, position_keep_prob=0.25, prefix_prune_prob=0.75),
+}
+
+SMOKE_SHAPE = dict(
+    hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=32, tie_word_embeddings=True,
+)
+MAIN = Workload(vocab_size=8192, prompt_len=64, response_len=128, batch_size=4)
+
+
+def plan(mode: str) -> dict:
+    """Groups to time, how many rounds, and which groups get fresh-process memory measurements."""
+    ref_ckpt = [(False, True), (True, True), (False, False), (True, False)]  # (precompute, checkpointing)
+    main = [dict(workload=MAIN, precompute=p, checkpointing=c, kind="main") for p, c in ref_ckpt]
+    if mode == "smoke":
+        tiny = Workload(vocab_size=512, prompt_len=16, response_len=32, batch_size=2, model_shape=SMOKE_SHAPE)
+        return dict(
+            groups=[dict(workload=tiny, precompute=False, checkpointing=True, kind="main")],
+            warmup=1, rounds=2, memory="all", memory_steps=1, memory_settings=["combined"],
+        )
+    if mode == "quick":  # TRL's default (checkpointing on), both reference modes
+        return dict(groups=main[:2], warmup=2, rounds=6, memory="all", memory_steps=2)
+    scaling = [
+        dict(workload=Workload(vocab_size=v, prompt_len=64, response_len=r, batch_size=2), precompute=True,
+             checkpointing=True, kind="scaling")
+        for v in (8192, 131072)
+        for r in (128, 512, 1024)
+    ]
+    return dict(groups=main + scaling, warmup=2, rounds=10, scaling_rounds=4, memory="all", memory_steps=2)
+
+
+# ---------------------------------------------------------------------------------------------------------- timing
+def _from_masks(trainer) -> dict:
+    """Two counts `last_prune_stats` lacks, from the pruned trainer's last masks (private; diagnostics only): scored
+    positions in the backpropagated rows, and the tokens the kept rows need (what a packed batch would execute)."""
+    masks = getattr(trainer, "_last_masks", None)
+    if masks is None:
+        return {}
+    return dict(
+        grad_positions=float(masks.scored[masks.backprop].sum()), needed_tokens=float(masks.executed.sum())
+    )
+
+
+def _work(side: str, runner: StepRunner, group: dict, compact_head: bool) -> Work:
+    live = not group["precompute"]
+    stats = getattr(runner.trainer, "last_prune_stats", None)
+    if side == "pruned" and stats:
+        return pruned_work(stats, live_reference=live, **_from_masks(runner.trainer))
+    # Stock (and a pruned trainer that reports nothing, e.g. the placeholder): TRL's own stacked computation.
+    return stock_work(runner.last_batch, live_reference=live, compact_head=compact_head)
+
+
+def time_group(group: dict, settings: list[str], warmup: int, rounds: int, device: str, bf16: bool, log) -> dict:
+    w: Workload = group["workload"]
+    base = build_model(w, torch.bfloat16 if bf16 else torch.float32)
+    sides = [("stock", None)] + [("pruned", s) for s in settings]
+    runners = {}
+    for side, setting in sides:
+        trainer = build_trainer(
+            side, w, copy.deepcopy(base), precompute=group["precompute"], checkpointing=group["checkpointing"],
+            pruning=SETTINGS.get(setting), device=device, bf16=bf16,
+        )
+        runners[setting or "stock"] = (side, StepRunner(trainer))
+    compact_head = device != "cpu" and torch.cuda.is_available()  # TRL compacts the head on Triton devices only
+    names = list(runners)
+    times = {n: [] for n in names}
+    cpu_times = {n: [] for n in names}
+    works = {n: [] for n in names}
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    for r in range(warmup + rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            side, runner = runners[name]
+            sync()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            runner.step()
+            sync()
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            if r >= warmup:
+                times[name].append(elapsed)
+                cpu_times[name].append(elapsed_cpu)
+                works[name].append(_work(side, runner, group, compact_head))
+        if r >= warmup:
+            log(f"    round {r - warmup + 1}/{rounds}: " + " ".join(
+                f"{n}={times[n][-1]:.2f}s/{cpu_times[n][-1]:.2f}cpu" for n in names))
+    shape = Shape.from_config(base.config)
+    return dict(times=times, cpu_times=cpu_times, works=works, shape=shape)
+
+
+def summarize(group: dict, timed: dict, memory: dict, clock: str = "wall") -> list[dict]:
+    """One row per pruned setting. `clock` picks the step time the speedup uses: "wall" (perf_counter) or "cpu"
+    (process CPU time: on a shared machine with one torch thread it ignores time the scheduler gave to others)."""
+    works, shape = timed["works"], timed["shape"]
+    times = timed["times"] if clock == "wall" else timed["cpu_times"]
+    other = timed["cpu_times"] if clock == "wall" else timed["times"]
+    ckpt = group["checkpointing"]
+    stock_t = statistics.median(times["stock"])
+    stock_flops = mean_flops(shape, works["stock"], ckpt)
+    stock_work_avg = mean_work(works["stock"])
+    w: Workload = group["workload"]
+    rows = []
+    for name in times:
+        if name == "stock":
+            continue
+        t = statistics.median(times[name])
+        flops = mean_flops(shape, works[name], ckpt)
+        work = mean_work(works[name])
+        paired = [s / p for s, p in zip(times["stock"], times[name])]
+        limit = stock_flops["total"] / flops["total"]
+        speedup = stock_t / t
+        mem_s, mem_p = memory.get("stock"), memory.get(name)
+        row = dict(
+            kind=group["kind"],
+            reference="precomputed" if group["precompute"] else "live",
+            checkpointing=ckpt,
+            vocab=w.vocab_size,
+            response_len=w.response_len,
+            prompt_len=w.prompt_len,
+            batch_pairs=w.batch_size,
+            setting=name,
+            **{k: v for k, v in SETTINGS[name].items()},
+            steps=len(times[name]),
+            clock=clock,
+            stock_step_s=stock_t,
+            pruned_step_s=t,
+            speedup=speedup,
+            speedup_other_clock=statistics.median(other["stock"]) / statistics.median(other[name]),
+            speedup_paired_median=statistics.median(paired),
+            speedup_iqr=_iqr(paired),
+            flop_limit=limit,
+            efficiency=speedup / limit,
+            stock_gflop=stock_flops["total"] / 1e9,
+            pruned_gflop=flops["total"] / 1e9,
+            stock_gflops_per_s=stock_flops["total"] / 1e9 / stock_t,
+            pruned_gflops_per_s=flops["total"] / 1e9 / t,
+            pruned_flops_breakdown={k: v / 1e9 for k, v in flops.items()},
+            stock_flops_breakdown={k: v / 1e9 for k, v in stock_flops.items()},
+            tokens_executed=work.policy_tokens / stock_work_avg.policy_tokens,
+            tokens_needed=work.needed_tokens / stock_work_avg.policy_tokens,
+            stock_tokens_needed=stock_work_avg.needed_tokens / stock_work_avg.policy_tokens,
+            tokens_backpropagated=work.grad_tokens / stock_work_avg.policy_tokens,
+            head_positions_vs_stock=work.policy_positions / stock_work_avg.policy_positions,
+            positions_scored=work.policy_positions / work.response_positions,
+            branches_backpropagated=work.grad_rows / work.policy_rows,
+            reference_tokens_vs_stock=(
+                work.reference_tokens / stock_work_avg.reference_tokens if stock_work_avg.reference_tokens else None
+            ),
+            head_share=shape.head_share(stock_work_avg.policy_tokens / stock_work_avg.policy_rows),
+        )
+        if mem_s and mem_p and mem_s.get("ok") and mem_p.get("ok"):
+            row.update(
+                stock_working_mb=mem_s["working_mb"],
+                pruned_working_mb=mem_p["working_mb"],
+                memory_ratio=mem_p["working_mb"] / mem_s["working_mb"],
+                stock_baseline_mb=mem_s["baseline_mb"],
+                pruned_baseline_mb=mem_p["baseline_mb"],
+            )
+        rows.append(row)
+    return rows
+
+
+def _iqr(xs: list[float]) -> float:
+    if len(xs) < 4:
+        return float("nan")
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]
+
+
+# ---------------------------------------------------------------------------------------------------------- memory
+def measure_memory(server, group: dict, settings: list[str], device: str, bf16: bool, steps: int, log, threads):
+    w: Workload = group["workload"]
+    out = {}
+    for name in ["stock"] + settings:
+        spec = dict(
+            workload=asdict(w), side="stock" if name == "stock" else "pruned", pruning=SETTINGS.get(name),
+            precompute=group["precompute"], checkpointing=group["checkpointing"], device=device, bf16=bf16,
+            warmup=1, steps=steps, threads=threads,
+        )
+        out[name] = server.measure(spec)
+        if out[name].get("ok"):
+            log(f"    memory {name}: working {out[name]['working_mb']:.0f} MiB over {out[name]['baseline_mb']:.0f}")
+        else:
+            log(f"    memory {name}: FAILED {out[name].get('error')}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- output
+COLUMNS = [
+    ("setting", "setting", "{}"),
+    ("stock_step_s", "stock s", "{:.3f}"),
+    ("pruned_step_s", "pruned s", "{:.3f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("flop_limit", "limit", "{:.2f}x"),
+    ("efficiency", "eff", "{:.2f}"),
+    ("tokens_executed", "tok exec", "{:.2f}"),
+    ("tokens_needed", "tok need", "{:.2f}"),
+    ("head_positions_vs_stock", "head pos", "{:.2f}"),
+    ("positions_scored", "pos/resp", "{:.2f}"),
+    ("branches_backpropagated", "br bp", "{:.2f}"),
+    ("stock_working_mb", "mem stock", "{:.0f}M"),
+    ("pruned_working_mb", "mem pruned", "{:.0f}M"),
+    ("memory_ratio", "mem ratio", "{:.2f}"),
+]
+
+
+def group_title(row: dict) -> str:
+    return (
+        f"V={row['vocab'] // 1024}k R={row['response_len']} B={row['batch_pairs']} | reference={row['reference']} | "
+        f"checkpointing={'on' if row['checkpointing'] else 'off'}"
+    )
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = []
+    title = None
+    widths = [max(len(h), 9) for _, h, _ in COLUMNS]
+    for row in rows:
+        if group_title(row) != title:
+            title = group_title(row)
+            lines += ["", title, "  ".join(h.rjust(wd) for (_, h, _), wd in zip(COLUMNS, widths))]
+        cells = []
+        for (key, _, fmt), wd in zip(COLUMNS, widths):
+            value = row.get(key)
+            cells.append(("-" if value is None else fmt.format(value)).rjust(wd))
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def write_outputs(out_dir: str, meta: dict, rows: list[dict]):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "step_time.json"), "w") as f:
+        json.dump(dict(meta=meta, results=rows), f, indent=1)
+    flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
+    keys = list(dict.fromkeys(k for r in flat for k in r))
+    with open(os.path.join(out_dir, "step_time.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(flat)
+    try:
+        from benchmarks.plot import plot
+
+        plot(rows, meta, os.path.join(out_dir, "step_time.png"))
+    except ImportError as e:  # matplotlib is a dev extra
+        print(f"(no plot: {e})", file=sys.stderr)
+
+
+def machine_info(device: str, threads: int) -> dict:
+    import accelerate
+    import transformers
+    import trl
+
+    import trl_pruned_dpo
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = dict(
+        cpu=cpu, cpu_count=os.cpu_count(), torch_threads=threads, python=platform.python_version(),
+        platform=platform.platform(), torch=torch.__version__, trl=trl.__version__,
+        transformers=transformers.__version__, accelerate=accelerate.__version__,
+        trl_pruned_dpo=getattr(trl_pruned_dpo, "__version__", "?"), device=device,
+    )
+    if device != "cpu":
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import subprocess
+
+        info["git"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+        ).stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="main grid (default)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full", help="+ memory everywhere, scaling")
+    mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tiniest mode, for CI")
+    parser.add_argument("--out", help="output folder (default benchmarks/results/<mode>_<device>)")
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--rounds", type=int, help="measured rounds per group (overrides the mode)")
+    parser.add_argument("--warmup", type=int, help="warm-up rounds per group (overrides the mode)")
+    parser.add_argument("--only", choices=["main", "scaling"], help="run one kind of group only")
+    parser.add_argument("--reference", choices=["live", "precomputed"], help="run one reference mode only")
+    parser.add_argument("--checkpointing", choices=["on", "off"], help="run one checkpointing mode only")
+    parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurements")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 on both sides (default fp32)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="step time for the speedup: wall clock (default), or process CPU time (shared machines, --threads 1)",
+    )
+    args = parser.parse_args(argv)
+    mode = args.mode or "quick"
+    quiet()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    out_dir = args.out or os.path.join(os.path.dirname(__file__), "results", f"{mode}_{args.device}")
+    p = plan(mode)
+    groups = p["groups"]
+    if args.only:
+        groups = [g for g in groups if g["kind"] == args.only]
+    if args.reference:
+        groups = [g for g in groups if g["precompute"] == (args.reference == "precomputed")]
+    if args.checkpointing:
+        groups = [g for g in groups if g["checkpointing"] == (args.checkpointing == "on")]
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    started = time.time()
+    meta = dict(
+        mode=mode, settings={k: SETTINGS[k] for k in args.settings}, machine=machine_info(args.device, threads),
+        model_shape=(groups[0]["workload"].model_shape if groups else None), started=time.strftime("%Y-%m-%d %H:%M"),
+        dtype="bf16" if args.bf16 else "fp32", clock=args.clock,
+    )
+    rows = []
+    memory_server = None
+    if not args.no_memory and p["memory"]:
+        from benchmarks.memory import MemoryServer
+
+        memory_server = MemoryServer()
+    try:
+        for group in groups:
+            scaling = group["kind"] == "scaling"
+            rounds = args.rounds or (p.get("scaling_rounds", p["rounds"]) if scaling else p["rounds"])
+            warmup = p["warmup"] if args.warmup is None else args.warmup
+            w = group["workload"]
+            log(
+                f"[{time.time() - started:5.0f}s] {w.label()} reference="
+                f"{'precomputed' if group['precompute'] else 'live'} checkpointing={group['checkpointing']}"
+            )
+            timed = time_group(group, args.settings, warmup, rounds, args.device, args.bf16, log)
+            memory = {}
+            wants_memory = p["memory"] == "all" or (p["memory"] == "checkpointing" and group["checkpointing"])
+            if memory_server is not None and wants_memory:
+                names = [s for s in args.settings if s in p.get("memory_settings", args.settings)]
+                memory = measure_memory(
+                    memory_server, group, names, args.device, args.bf16, p["memory_steps"], log, threads
+                )
+            group_rows = summarize(group, timed, memory, args.clock)
+            print(format_table(group_rows), flush=True)
+            rows += group_rows
+            meta["elapsed_s"] = time.time() - started
+            write_outputs(out_dir, meta, rows)  # after every group: a long run that dies keeps what it measured
+    finally:
+        if memory_server is not None:
+            memory_server.close()
+    print("\nAll groups:" + format_table(rows))
+    print(f"\nwrote {out_dir}/step_time.{{json,csv,png}} in {time.time() - started:.0f}s")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The benchmark workload: a scaled-down Qwen2.5-shaped model, a local tokenizer, synthetic pairs, and the two trainers.
+
+Nothing here touches the hub. The model is built from a config; the tokenizer is a WordLevel vocabulary of `t<i>` words
+(one word = one token, so prompt and response lengths are exact); the pairs are random tokens. Stock and pruned sides
+get identical model weights, the same dataset, seed and batch size; the stock side is TRL's own `DPOTrainer`.
+
+A trainer is driven step by step (`StepRunner`) the way `Trainer._inner_training_loop` drives it on one process:
+`training_step` (TRL's forward, loss and backward), gradient clipping, `optimizer.step`, scheduler step, `zero_grad`,
+`global_step += 1`. Both sides do exactly this, so the optimizer work is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+# Shape of the scaled-down model: Qwen2.5-0.5B (hidden 896, 24 layers, MLP 4864, 14 heads / 2 KV heads of 64, vocab
+# 151936, tied embeddings) has its LM head at ~25-27% of forward FLOPs; this shape (MLP ratio 5, GQA 2:1, tied
+# embeddings) keeps it at ~29% with an 8k vocabulary and a ~190-token row.
+MODEL_SHAPE = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    intermediate_size=1280,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one benchmark cell trains on (identical on the stock and pruned sides)."""
+
+    vocab_size: int = 8192
+    prompt_len: int = 64
+    response_len: int = 128
+    batch_size: int = 4  # pairs per step (per_device_train_batch_size)
+    num_batches: int = 4  # distinct batches, cycled
+    seed: int = 0
+    model_shape: dict = field(default_factory=lambda: dict(MODEL_SHAPE))
+
+    def label(self) -> str:
+        return f"V{self.vocab_size // 1024}k_R{self.response_len}_B{self.batch_size}"
+
+
+def quiet():
+    """Silence the per-trainer warnings and progress bars that would drown the table."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "trl", "datasets", "accelerate", "trl_pruned_dpo"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def build_tokenizer(vocab_size: int):
+    """A WordLevel tokenizer over `t<i>` words: exactly `vocab_size` ids, one token per word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def build_dataset(w: Workload):
+    """Random pairs: prompt length in [3P/4, P], each response length in [3R/4, R] (then TRL appends EOS)."""
+    from datasets import Dataset
+
+    rng = random.Random(w.seed)
+    lo_id = len(SPECIAL_TOKENS)
+
+    def words(n):
+        return " ".join(f"t{rng.randrange(lo_id, w.vocab_size)}" for _ in range(n))
+
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for _ in range(w.batch_size * w.num_batches):
+        rows["prompt"].append(words(rng.randint(3 * w.prompt_len // 4, w.prompt_len)))
+        # The leading space keeps prompt + completion a word boundary, so TRL's prompt/completion split is exact.
+        rows["chosen"].append(" " + words(rng.randint(3 * w.response_len // 4, w.response_len) - 1))
+        rows["rejected"].append(" " + words(rng.randint(3 * w.response_len // 4, w.response_len) - 1))
+    return Dataset.from_dict(rows)
+
+
+def build_model(w: Workload, dtype=torch.float32):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=w.vocab_size,
+        max_position_embeddings=max(2048, 2 * (w.prompt_len + w.response_len)),
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        **w.model_shape,
+    )
+    torch.manual_seed(w.seed)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+PRUNING_FIELDS = ("branch_keep_prob", "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_sampling")
+
+
+def build_trainer(
+    side: str,
+    w: Workload,
+    model,
+    *,
+    precompute: bool,
+    checkpointing: bool,
+    pruning: dict | None = None,
+    device: str = "cpu",
+    bf16: bool = False,
+    output_dir: str | None = None,
+):
+    """`side` is "stock" (TRL's `DPOTrainer` + `DPOConfig`) or "pruned" (`PrunedDPOTrainer` + `PrunedDPOConfig`).
+
+    `model` is this side's own copy; the reference is a deep copy of it (live reference), or none with
+    `precompute_ref_log_probs=True` (then TRL precomputes with the policy itself, as it does for users).
+    """
+    from trl import DPOConfig, DPOTrainer
+
+    if side == "stock":
+        config_cls, trainer_cls, extra = DPOConfig, DPOTrainer, {}
+    elif side == "pruned":
+        from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+
+        config_cls, trainer_cls, extra = PrunedDPOConfig, PrunedDPOTrainer, dict(pruning or {})
+    else:
+        raise ValueError(f"side must be 'stock' or 'pruned', got {side!r}")
+
+    args = config_cls(
+        output_dir=output_dir or tempfile.mkdtemp(prefix=f"bench_{side}_"),
+        per_device_train_batch_size=w.batch_size,
+        max_length=None,  # no truncation: the response lengths are what the cell says
+        gradient_checkpointing=checkpointing,
+        precompute_ref_log_probs=precompute,
+        bf16=bf16,
+        fp16=False,
+        use_cpu=device == "cpu",
+        learning_rate=1e-6,
+        seed=w.seed,
+        data_seed=w.seed,
+        report_to=[],
+        logging_steps=10**9,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **extra,
+    )
+    model = model.to(device)
+    ref_model = None if precompute else copy.deepcopy(model)
+    return trainer_cls(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=build_dataset(w),
+        processing_class=build_tokenizer(w.vocab_size),
+    )
+
+
+class StepRunner:
+    """Drives one trainer step by step, as `Trainer._inner_training_loop` does on a single process."""
+
+    def __init__(self, trainer, max_steps: int = 10**6):
+        self.trainer = trainer
+        args = trainer.args
+        if args.activation_checkpointing:  # what `Trainer.train` does before the loop
+            kwargs = dict(args.activation_checkpointing_kwargs or {})
+            trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+        trainer.create_optimizer()
+        self.model, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+        trainer.model_wrapped = self.model
+        trainer.create_scheduler(num_training_steps=max_steps)
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.state.global_step = 0
+        # Batches come from the trainer's own dataloader, as in `train()`: fetching and collating (TRL's collator; the
+        # pruned side adds its columns) is part of the step. Same seed and dataset: both sides see the same batches.
+        self.loader = trainer.get_train_dataloader()
+        self._iterator = iter(self.loader)
+        self.last_batch = None
+
+    def _next_batch(self):
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(self.loader)
+            return next(self._iterator)
+
+    def step(self):
+        """One optimizer step; returns the (detached) loss."""
+        t = self.trainer
+        batch = self._next_batch()
+        self.last_batch = batch
+        loss = t.training_step(self.model, batch)
+        if t.args.max_grad_norm and t.args.max_grad_norm > 0:
+            t.accelerator.clip_grad_norm_(self.model.parameters(), t.args.max_grad_norm)
+        t.optimizer.step()
+        t.lr_scheduler.step()
+        self.model.zero_grad()
+        t.state.global_step += 1
+        return loss
