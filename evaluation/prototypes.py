@@ -1,0 +1,130 @@
+"""Estimator variants measured by the study but not (yet) in the trainer: proposals, with their evidence in
+docs/quality.md. They subclass or drive `PrunedDPOTrainer` from outside and do not touch its code.
+
+1. Pair-shared masks (`SharedMaskPrunedDPOTrainer`): common random numbers across a pair. The position mask is drawn
+   once per pair over response offsets and applied to both the chosen and the rejected row, and the prefix cut uses
+   the same coin and the same uniform for both rows. Each row's masks keep exactly the marginal law of
+   `masks.draw_masks` (Bernoulli(p_pos) per position, the same prefix inclusion probabilities q_t), so each D^_b is
+   still unbiased with the same weights; what changes is the *joint* law. Within a pair the responses start at the
+   same column, so a token of the common prefix is kept in both rows or in neither (its terms cancel in
+   D^_w - D^_l, as they do in D_w - D_l), and after the planted mistake the aligned tokens of the near-copy, whose
+   log-ratios and gradients nearly agree, are kept together too. Variance of the difference falls; the cost is the
+   same (shared METHOD.md "Exact savings": "drawing the same mask for both branches on their common prefix has the same
+   effect", here extended past the prefix).
+
+2. Keep-probability annealing (`AnnealKeepProbs`, a callback): the keep probabilities ramp linearly to 1 (and the
+   prefix-prune probability to 0) over the last `fraction` of a planned horizon, then stay there, so the last
+   steps are exact. The ramp costs the full price of those steps.
+
+Branch pruning has no analogue of (1): its noise on near-copy pairs is the aligned part of the two branches'
+*parameter* gradients, and no joint law of the masks recovers grad D_w - grad D_l from one backward pass.
+"""
+
+import math
+
+import torch
+from transformers import TrainerCallback
+
+from trl_pruned_dpo import PrunedDPOTrainer
+from trl_pruned_dpo.masks import (
+    PruneMasks,
+    common_prefix,
+    draw_branches,
+    mask_generator,
+    prefix_inclusion_prob,
+    response_index,
+    shortest_prefix,
+)
+
+
+def draw_shared_masks(
+    input_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    position_keep_prob: float,
+    prefix_prune_prob: float,
+    prefix_min_ratio: float,
+    branch_keep_prob: float,
+    branch_sampling: str,
+    drop_common_prefix: bool,
+    generator: torch.Generator,
+) -> PruneMasks:
+    """`masks.draw_masks` with one position mask and one prefix draw per pair (rows are [chosen; rejected])."""
+    response = completion_mask[:, 1:].bool()
+    rows, cols = response.shape
+    pairs, device = rows // 2, response.device
+    exact = response & ~common_prefix(input_ids, response) if drop_common_prefix else response
+    keep = exact.clone()
+    q = torch.ones(response.shape, dtype=torch.float64, device=device)
+    if prefix_prune_prob > 0:
+        t = response_index(response).cpu()
+        lengths = response.sum(dim=1).cpu().long()
+        k0 = shortest_prefix(lengths, prefix_min_ratio)
+        cut = (torch.rand(pairs, generator=generator) < prefix_prune_prob).repeat(2)
+        u = torch.rand(pairs, generator=generator).repeat(2)
+        uniform_k = k0 + torch.floor(u * (lengths - k0 + 1).double()).long().minimum(lengths - k0)
+        k = torch.where(cut, uniform_k, lengths)
+        keep &= ((t > 0) & (t <= k.unsqueeze(1))).to(device)
+        q = prefix_inclusion_prob(response, prefix_prune_prob, prefix_min_ratio)
+    if position_keep_prob < 1:
+        shared = torch.rand((pairs, cols), generator=generator) < position_keep_prob
+        keep &= shared.repeat(2, 1).to(device) & response
+    inclusion = q * position_keep_prob
+    weights = torch.where(keep, 1.0 / inclusion.clamp(min=1e-12), torch.zeros_like(inclusion)).float()
+    index = torch.arange(1, cols + 1, device=device)
+    executed = (keep.long() * (index + 1)).amax(dim=1) if keep.numel() else torch.zeros(rows, dtype=torch.long)
+    if branch_keep_prob < 1:
+        backprop = draw_branches(pairs, branch_keep_prob, branch_sampling, generator).to(device)
+    else:
+        backprop = torch.ones(rows, dtype=torch.bool, device=device)
+    return PruneMasks(keep, weights, executed, backprop, backprop.float() / branch_keep_prob, exact)
+
+
+class SharedMaskPrunedDPOTrainer(PrunedDPOTrainer):
+    """`PrunedDPOTrainer` drawing pair-shared position masks and prefix cuts (see the module docstring)."""
+
+    def _draw_masks(self, inputs) -> PruneMasks:
+        step = self.state.global_step
+        micro = self._mask_step[1] + 1 if self._mask_step[0] == step else 0
+        self._mask_step = (step, micro)
+        args = self.args
+        return draw_shared_masks(
+            inputs["input_ids"],
+            inputs["completion_mask"],
+            position_keep_prob=args.position_keep_prob,
+            prefix_prune_prob=args.prefix_prune_prob,
+            prefix_min_ratio=args.prefix_min_ratio,
+            branch_keep_prob=args.branch_keep_prob,
+            branch_sampling=args.branch_sampling,
+            drop_common_prefix=args.prune_common_prefix,
+            generator=mask_generator(args.prune_seed, step, micro, self.accelerator.process_index),
+        )
+
+
+def annealed(base: dict, fraction: float, horizon: int, step: int) -> dict:
+    """The pruning probabilities at `step`: `base` until (1 - fraction) * horizon, then linearly to exact at
+    `horizon`, exact after it."""
+    start = (1.0 - fraction) * horizon
+    ramp = min(1.0, max(0.0, (step - start) / max(horizon - start, 1e-9))) if fraction > 0 else 0.0
+    return {
+        "branch_keep_prob": base["branch_keep_prob"] + ramp * (1.0 - base["branch_keep_prob"]),
+        "position_keep_prob": base["position_keep_prob"] + ramp * (1.0 - base["position_keep_prob"]),
+        "prefix_prune_prob": base["prefix_prune_prob"] * (1.0 - ramp),
+    }
+
+
+class AnnealKeepProbs(TrainerCallback):
+    """Sets the trainer's keep probabilities before every step from `annealed` (the trainer reads them per draw)."""
+
+    FIELDS = ("branch_keep_prob", "position_keep_prob", "prefix_prune_prob")
+
+    def __init__(self, fraction: float, horizon: int):
+        self.fraction, self.horizon, self.base = fraction, horizon, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.base = {f: getattr(args, f) for f in self.FIELDS}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        for name, value in annealed(self.base, self.fraction, self.horizon, state.global_step).items():
+            # Exactly 1 (not 1 - 1e-16) once the ramp ends, so the trainer takes its exact path.
+            setattr(args, name, 1.0 if name != "prefix_prune_prob" and math.isclose(value, 1.0) else value)
