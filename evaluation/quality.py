@@ -1,0 +1,274 @@
+"""The quality study, end to end: ``python -m evaluation.quality`` (full) or ``python -m evaluation.quality --quick``.
+
+Stages, each cached under ``--out`` so an interrupted study resumes where it stopped (a result is reused only if
+the configuration that produced it is unchanged):
+
+1. the starting policy (sft.py; cached in the demo cache), and its held-out metrics at step 0;
+2. training runs: every setting x seed (train.py), stock first; ``runs/<setting>-s<seed>.json``;
+3. step timing, round-robin (gradients.step_times); ``timing.json``;
+4. gradient diagnostics at the starting policy and at stock's trained policy (gradients.diagnose);
+   ``gradients.json``;
+5. the report: PNG curves and ``quality.md`` with the tables (report.py + the findings text kept in
+   evaluation/findings.md).
+
+The full study writes docs/quality.md and docs/img/quality_*.png; ``--quick`` (tiny sizes, ~5 minutes) writes
+under its ``--out`` only, so it never overwrites the published results. ``--stage`` runs one stage (e.g. to split
+the full study into shorter commands); ``--seeds`` and ``--settings`` restrict stage 2.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Profile:
+    quick: bool = False
+    n_sft: int = 16384
+    sft_steps: int = 1000
+    n_train: int = 2048
+    n_test: int = 192  # held-out pairs for the preference metrics
+    n_gen: int = 64  # held-out prompts for generation accuracy (the first n_gen of the test pairs)
+    seeds: tuple = (0, 1, 2)
+    settings: tuple = ()  # empty: settings.TRAINED
+    diag_settings: tuple = ()  # empty: settings.DIAGNOSED
+    diag_batches: int = 4
+    diag_draws: int = 16
+    timing_rounds: int = 6
+    timing_steps: int = 3
+    run: dict = field(default_factory=dict)  # RunConfig overrides
+
+
+FULL = Profile(run=dict(steps=200, pruned_steps_factor=1.5, eval_every=25, gen_every=50))
+QUICK = Profile(quick=True, n_sft=4096, sft_steps=300, n_train=256, n_test=32, n_gen=32, diag_batches=2,
+                diag_draws=6, timing_rounds=2, timing_steps=2,
+                run=dict(steps=30, eval_every=10, gen_every=10, eval_batch_size=16))
+# CI's smoke test: the quick profile at the smallest sizes that still exercise every stage (well under 90 s).
+SMOKE = replace(QUICK, n_sft=256, sft_steps=10, n_train=32, n_test=16, n_gen=8, seeds=(0, 1),
+                settings=("stock", "branch_cp"), diag_settings=("branch_cp", "position_cp_shared"), diag_batches=1,
+                diag_draws=2, timing_rounds=1, timing_steps=1,
+                run=dict(steps=4, eval_every=2, gen_every=4, eval_batch_size=8))
+
+def _log(message: str):
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _load(path: Path, fingerprint: str):
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("fingerprint") == fingerprint:
+            return data
+    return None
+
+
+def _save(path: Path, data: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class Study:
+    def __init__(self, profile: Profile, out: Path, docs: Path):
+        from .settings import DIAGNOSED, QUICK_DIAGNOSED, QUICK_TRAINED, SETTINGS, TRAINED
+        from .sft import SFTSpec
+        from .tasks import make_study_splits
+        from .train import RunConfig
+
+        self.profile, self.out, self.docs = profile, out, docs
+        self.cfg = RunConfig(**profile.run)
+        self.trained = list(profile.settings or (QUICK_TRAINED if profile.quick else TRAINED))
+        self.diagnosed = list(profile.diag_settings or (QUICK_DIAGNOSED if profile.quick else DIAGNOSED))
+        unknown = [n for n in self.trained + self.diagnosed if n not in SETTINGS]
+        if unknown:
+            raise SystemExit(f"Unknown settings {unknown}; known: {sorted(SETTINGS)}")
+        if self.trained[0] != "stock":
+            self.trained = ["stock"] + [n for n in self.trained if n != "stock"]
+        self.sft = SFTSpec(quick=profile.quick, n_examples=profile.n_sft, steps=profile.sft_steps)
+        self.splits = make_study_splits(profile.n_sft, profile.n_train, profile.n_test, quick=profile.quick)
+        self.base_fp = [self.sft.key(), profile.n_train, profile.n_test, profile.n_gen, asdict(self.cfg)]
+
+    # ------------------------------------------------------------------------------------------------------ stages
+    def policy(self) -> str:
+        from .sft import starting_policy
+
+        return starting_policy(self.sft, log=_log)
+
+    def start_metrics(self) -> dict:
+        from transformers import AutoTokenizer
+
+        from .evaluate import generation_accuracy, logprob_preference
+        from .sft import load_policy
+
+        path, fp = self.out / "start.json", _fingerprint(self.base_fp)
+        cached = _load(path, fp)
+        if cached:
+            return cached["metrics"]
+        folder = self.policy()
+        model, tokenizer = load_policy(folder), AutoTokenizer.from_pretrained(folder)
+        test = self.splits["test"]
+        metrics = {"pref_acc": 0.0, "margin": 0.0}  # the policy is the reference: every implicit reward is 0
+        metrics.update(generation_accuracy(model, tokenizer, test[: self.profile.n_gen]))
+        metrics["logprob_pref"] = logprob_preference(model, tokenizer, test)
+        _log(f"starting policy: gen acc {metrics['gen_acc']:.3f}, log-prob preference {metrics['logprob_pref']:.3f}")
+        _save(path, {"fingerprint": fp, "metrics": metrics})
+        return metrics
+
+    def train(self, seeds=None, names=None):
+        from .settings import SETTINGS
+        from .tasks import as_dataset
+        from .train import run
+
+        folder = self.policy()
+        train_ds, test_ds = as_dataset(self.splits["train"]), as_dataset(self.splits["test"])
+        gen_rows = self.splits["test"][: self.profile.n_gen]
+        for seed in seeds if seeds is not None else self.profile.seeds:
+            for name in names or self.trained:
+                setting = SETTINGS[name]
+                path = self.out / "runs" / f"{name}-s{seed}.json"
+                fp = _fingerprint(self.base_fp, asdict(setting), seed)
+                if _load(path, fp):
+                    continue
+                _log(f"train {name} (seed {seed}): {setting.label}")
+                started = time.perf_counter()
+                record = run(setting, seed, folder, train_ds, test_ds, gen_rows, self.cfg, log=_log,
+                             save_dir=str(self.out / "policies" / f"stock-s{seed}") if name == "stock" else None)
+                record["fingerprint"] = fp
+                _save(path, record)
+                _log(f"  done in {time.perf_counter() - started:.0f}s (train {record['train_time']:.0f}s)")
+
+    def timing(self):
+        from .gradients import step_times
+        from .settings import EXACT_BASELINES, SETTINGS
+
+        path = self.out / "timing.json"
+        names = self.trained + [n for n in EXACT_BASELINES if n not in self.trained]
+        fp = _fingerprint(self.base_fp, names, self.profile.timing_rounds, self.profile.timing_steps)
+        if _load(path, fp):
+            return
+        _log(f"step timing, round-robin over {len(names)} settings")
+        rows = self.splits["train"][: self.profile.diag_batches * self.cfg.batch_size]
+        result = step_times([SETTINGS[n] for n in names], self.policy(), rows, self.cfg,
+                            self.profile.timing_rounds, self.profile.timing_steps, log=_log)
+        _save(path, {"fingerprint": fp, "timing": result})
+
+    def gradients(self):
+        from .gradients import diagnose
+        from .settings import SETTINGS
+
+        path = self.out / "gradients.json"
+        fp = _fingerprint(self.base_fp, self.diagnosed, self.profile.diag_batches, self.profile.diag_draws)
+        if _load(path, fp):
+            return
+        rows = self.splits["train"][: self.profile.diag_batches * self.cfg.batch_size]
+        settings = [SETTINGS[n] for n in self.diagnosed]
+        result = {"fingerprint": fp}
+        trained = self.out / "policies" / f"stock-s{self.profile.seeds[0]}"
+        states = [("start", self.policy())]
+        if (trained / "model.safetensors").is_file():
+            states.append(("trained", str(trained)))
+        for state, policy in states:
+            _log(f"gradient diagnostics at the {state} policy ({len(settings)} settings)")
+            result[state] = diagnose(settings, policy, self.policy(), rows, self.cfg, self.profile.diag_draws,
+                                     log=_log)
+        _save(path, result)
+
+    def report(self):
+        from .write_doc import write
+
+        write(self)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m evaluation.quality", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, ~5 minutes; writes under --out only")
+    parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # CI: --quick at the smallest sizes
+    parser.add_argument("--stage", choices=["all", "sft", "train", "timing", "gradients", "report"], default="all")
+    parser.add_argument("--out", type=Path, help="results folder (default runs/quality or runs/quality-quick)")
+    parser.add_argument("--docs", type=Path, help="where quality.md and img/ go (default docs/, or <out>/docs)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="restrict the training stage to these seeds")
+    parser.add_argument("--settings", nargs="+", help="restrict the training stage to these settings")
+    parser.add_argument("--steps", type=int, help="override the equal-steps budget N")
+    parser.add_argument("--sft-steps", type=int, help="override the warm-start SFT steps")
+    parser.add_argument("--n-train", type=int, help="override the number of DPO training pairs")
+    parser.add_argument("--all-seeds", type=int, nargs="+", help="override the study's seeds (all stages)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared machine)")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "trl", "datasets", "accelerate", "trl_pruned_dpo"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+
+    args.quick |= args.smoke
+    profile = SMOKE if args.smoke else QUICK if args.quick else FULL
+    run_overrides = dict(profile.run)
+    if args.steps:
+        run_overrides["steps"] = args.steps
+        run_overrides.setdefault("eval_every", max(1, args.steps // 10))
+    profile = replace(
+        profile,
+        run=run_overrides,
+        sft_steps=args.sft_steps or profile.sft_steps,
+        n_train=args.n_train or profile.n_train,
+        seeds=tuple(args.all_seeds) if args.all_seeds else profile.seeds,
+    )
+    out = args.out or REPO / "runs" / ("quality-quick" if args.quick else "quality")
+    docs = args.docs or (out / "docs" if args.quick else REPO / "docs")
+    study = Study(profile, out, docs)
+    _log(f"quality study ({'quick' if args.quick else 'full'}): out {out}, docs {docs}")
+    stages = ["sft", "train", "timing", "gradients", "report"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        if stage == "sft":
+            study.policy()
+            study.start_metrics()
+        elif stage == "train":
+            study.start_metrics()
+            study.train(seeds=args.seeds, names=args.settings)
+        elif stage == "timing":
+            study.timing()
+        elif stage == "gradients":
+            study.gradients()
+        else:
+            study.report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
