@@ -17,7 +17,8 @@ Per run and rank it writes DIR/<name>/rank<r>.json (engine, log history, trainin
 batch it was drawn for) and DIR/<name>/weights_rank<r>.pt (the trainable parameters after training, gathered in full
 whatever the sharding), plus DIR/<name>/weights_initial.pt (rank 0, before training). Nothing touches a hub.
 
-RUN_PRUNED_FSDP_ON_CPU=1 lets accelerate's FSDP run on CPU (see `allow_fsdp_on_cpu`).
+RUN_PRUNED_FSDP_ON_CPU=1 lets accelerate's FSDP run on CPU (see `allow_fsdp_on_cpu`). DeepSpeed runs on CPU as is
+(`DS_ACCELERATOR=cpu`, gloo), less a JIT-compiled op it does not need here (see `skip_deepspeed_shm_op`).
 """
 
 import argparse
@@ -59,6 +60,8 @@ def build(run: dict, out: Path, tokenizer, dataset):
     overrides = dict(run.get("config", {}))
     if reference == "precompute":
         overrides["precompute_ref_log_probs"] = True
+    if not torch.cuda.is_available():  # gloo; DeepSpeed's CPU accelerator otherwise has no backend to ask for
+        overrides.setdefault("ddp_backend", "gloo")
     args = config_cls(output_dir=str(out / run["name"]), **{**BASE_CONFIG, **overrides})
     model = tiny_model(tokenizer, seed=0)
     if reference == "peft":
@@ -151,6 +154,14 @@ def allow_fsdp_on_cpu():
     AcceleratorState.__init__ = __init__
 
 
+def skip_deepspeed_shm_op():
+    """Test-only: DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op at start-up (about two
+    minutes of C++ on a small runner). It only speeds up inference all-reduces; without it DeepSpeed uses gloo."""
+    import deepspeed.comm.torch  # noqa: F401 - `deepspeed.comm.torch` the attribute is torch itself, hence sys.modules
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True, help="JSON file: the list of runs")
@@ -158,6 +169,8 @@ def main():
     cli = parser.parse_args()
     if os.environ.get("RUN_PRUNED_FSDP_ON_CPU") == "1":
         allow_fsdp_on_cpu()
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and not torch.cuda.is_available():
+        skip_deepspeed_shm_op()
     out = Path(cli.out)
     runs = json.loads(Path(cli.spec).read_text())
     tokenizer = char_tokenizer()
