@@ -1,0 +1,292 @@
+"""The command line and the offline demo.
+
+- the real console script trains on configs/demo.yaml for a few steps, saves a loadable model, prints the summary;
+- relaunching through `accelerate launch` (any accelerate flag) and `trl dpo` with the opt-in hook both train;
+- YAML keys and flags reach the dataclasses, accelerate keys become launch arguments;
+- each bad input gives one error line naming the problem and the fix, exit code 2, and no output folder;
+- the demo API: deterministic data whose `is_correct` separates chosen from rejected, a cached builtin model.
+
+Subprocesses pay ~6 s of imports each; the file stays around a minute of CPU.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trl_pruned_dpo import cli
+from trl_pruned_dpo.demo import build_tokenizer, is_correct, make_dataset, resolve_model, solve
+from trl_pruned_dpo.demo.tasks import TASKS, load_builtin
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo.yaml"
+SCRIPT = Path(sys.executable).with_name("trl-pruned-dpo")
+QUICK = ["--max_steps", "3", "--logging_steps", "1", "--per_device_eval_batch_size", "64"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("demo-cache")
+
+
+@pytest.fixture()
+def offline(monkeypatch, cache):
+    """Offline, with the demo cache in a temp folder; undoes what the CLI sets process-wide (offline mode)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("TRL_PRUNED_DPO_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+def env(cache, **extra):
+    return {**os.environ, "TRL_PRUNED_DPO_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            **extra}
+
+
+def run(command, cache, timeout=240, **extra):
+    return subprocess.run(command, env=env(cache, **extra), capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def assert_saved_model(folder: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (folder / name).is_file(), sorted(p.name for p in folder.iterdir())
+    AutoModelForCausalLM.from_pretrained(folder)
+    assert AutoTokenizer.from_pretrained(folder)("sort: 2 1 =")["input_ids"][0] == build_tokenizer().bos_token_id
+
+
+# --- end to end ---------------------------------------------------------------------------------------------------
+
+
+def test_console_script_trains_the_demo(tmp_path, cache):
+    assert SCRIPT.is_file(), f"console script missing at {SCRIPT}: run `pip install -e . --no-deps`"
+    out = tmp_path / "demo-out"
+    result = run([str(SCRIPT), "--config", str(DEMO), *QUICK, "--output_dir", str(out)], cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_saved_model(out)
+    summary = result.stdout[result.stdout.index("trl-pruned-dpo summary"):]
+    assert "steps                    3 (" in summary
+    assert "held-out reward acc." in summary
+    for label in ("tokens executed", "positions scored", "branches backpropagated"):
+        line = next(line for line in summary.splitlines() if label in line)
+        assert "%" in line or "n/a" in line, line
+    assert "'prune/branches_backpropagated'" in result.stdout or "prune/branches_backpropagated" in result.stderr
+
+
+def test_accelerate_flag_relaunches_through_accelerate(tmp_path, cache):
+    out = tmp_path / "launched"
+    result = run([sys.executable, "-m", "trl_pruned_dpo", "--config", str(DEMO), "--max_steps", "1",
+                  "--eval_strategy", "no", "--output_dir", str(out), "--num_processes", "1", "--cpu"], cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "model.safetensors").is_file()
+    assert "trl-pruned-dpo summary" in result.stdout
+
+
+def test_trl_dpo_uses_pruned_trainer_with_the_opt_in_hook(tmp_path, cache):
+    from trl_pruned_dpo import trl_hook
+    from trl_pruned_dpo.demo.__main__ import export_dataset
+
+    site_dir, startup = tmp_path / "site", tmp_path / "startup"
+    assert trl_hook.main(["install", "--site-dir", str(site_dir)]) == 0
+    # Stand-in for site-packages: every Python started by the test (the `trl` CLI and its accelerate child) adds
+    # `site_dir` as a site directory, so the installed .pth line runs exactly as it would from site-packages.
+    startup.mkdir()
+    (startup / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site_dir)!r})\n")
+    probe = "import sys, trl; print(trl.DPOTrainer.__name__, 'trl_pruned_dpo' in sys.modules)"
+    inert = run([sys.executable, "-c", probe], cache, PYTHONPATH=str(startup))
+    assert inert.stdout.split() == ["DPOTrainer", "False"], inert.stderr[-2000:]
+
+    data = export_dataset("builtin:mix", tmp_path / "data")
+    config = yaml.safe_load(DEMO.read_text())
+    config.update(model_name_or_path=resolve_model("builtin:tiny-demo"), dataset_name=str(data), max_steps=2,
+                  logging_steps=1, eval_strategy="no", disable_tqdm=True, output_dir=str(tmp_path / "trl-out"))
+    (tmp_path / "trl.yaml").write_text(yaml.safe_dump(config))
+    trl = Path(sys.executable).with_name("trl")
+    result = run([str(trl), "dpo", "--config", str(tmp_path / "trl.yaml")], cache, PYTHONPATH=str(startup),
+                 TRL_PRUNED_DPO="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "prune/branches_backpropagated" in result.stdout  # only PrunedDPOTrainer logs it
+    assert (tmp_path / "trl-out" / "model.safetensors").is_file()
+
+
+# --- parsing --------------------------------------------------------------------------------------------------------
+
+
+def test_yaml_keys_and_flags_reach_the_config(tmp_path):
+    config = {
+        "model_name_or_path": "builtin:tiny-demo", "dataset_name": "builtin:sort", "output_dir": str(tmp_path / "o"),
+        "bf16": False, "beta": 0.25, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5],
+        "branch_keep_prob": 0.5, "branch_sampling": "independent", "prefix_prune_prob": 0.3,
+        "prefix_min_ratio": 0.6, "position_keep_prob": 0.8, "prune_reference": False, "prune_seed": 7,
+        "lora_r": 4, "dataset_train_split": "train", "num_processes": 2,
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    script, training, model, _, launch_args, _ = cli.parse(
+        ["--config", str(tmp_path / "c.yaml"), "--beta", "0.5", "--mixed_precision", "no"])
+    assert (training.beta, training.loss_type, training.loss_weights) == (0.5, ["sigmoid", "sft"], [1.0, 0.5])
+    assert (training.branch_keep_prob, training.branch_sampling, training.prefix_prune_prob) == (0.5, "independent",
+                                                                                                  0.3)
+    assert (training.prefix_min_ratio, training.position_keep_prob, training.prune_reference) == (0.6, 0.8, False)
+    assert training.prune_seed == 7 and training.bf16 is False
+    assert (model.model_name_or_path, model.lora_r, script.dataset_name) == ("builtin:tiny-demo", 4, "builtin:sort")
+    assert launch_args == ["--num_processes", "2", "--mixed_precision", "no"]
+
+    *_, launch_args, _ = cli.parse(["--config", str(DEMO), "--accelerate_config",
+                                    str(REPO / "configs" / "accelerate" / "zero2.yaml")])
+    assert launch_args == ["--config_file", str(REPO / "configs" / "accelerate" / "zero2.yaml")]
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_recipe_parses(recipe):
+    _, training, model, *_ = cli.parse(["--config", str(recipe), "--bf16", "false"])  # bf16 needs a GPU
+    assert model.model_name_or_path and training.output_dir
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "configs" / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_load(recipe):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert load_config_from_file(str(recipe)).num_processes >= 1
+
+
+# --- bad input: one line, exit 2, no output folder -----------------------------------------------------------------
+
+
+def bad_run(capsys, tmp_path, *argv, config=None):
+    out = tmp_path / "out"
+    if config is not None:
+        base = yaml.safe_load(DEMO.read_text())
+        base.update(output_dir=str(out), **config)
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump(base))
+        argv = ("--config", str(tmp_path / "bad.yaml"), *argv)
+    code = cli.main(list(argv))
+    line = error_line(capsys.readouterr().err)
+    assert code == 2 and not out.exists(), line
+    return line
+
+
+def test_missing_config_file(capsys, tmp_path):
+    line = bad_run(capsys, tmp_path, "--config", str(tmp_path / "nope.yaml"))
+    assert "nope.yaml" in line and "not found" in line
+
+
+def test_unknown_yaml_key(capsys, tmp_path, offline):
+    line = bad_run(capsys, tmp_path, config={"brnch_keep_prob": 0.5})
+    assert "`brnch_keep_prob`" in line and "did you mean `branch_keep_prob`" in line
+
+
+def test_unknown_flag(capsys, tmp_path, offline):
+    line = bad_run(capsys, tmp_path, "--no_such_flag", "1", config={})
+    assert "`--no_such_flag`" in line
+
+
+@pytest.mark.parametrize("key, value", [("branch_keep_prob", 1.5), ("position_keep_prob", 0.0),
+                                        ("prefix_prune_prob", -0.1)])
+def test_invalid_probability(capsys, tmp_path, offline, key, value):
+    line = bad_run(capsys, tmp_path, config={key: value})
+    assert f"`{key}` must lie in" in line
+
+
+def test_missing_dataset_column(capsys, tmp_path, offline):
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"prompt": "sort: 2 1 =", "chosen": " 1 2"}] * 4
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = bad_run(capsys, tmp_path, config={"dataset_name": str(data), "eval_strategy": "no"})
+    assert "['rejected']" in line and "rename" in line
+
+
+def test_missing_split(capsys, tmp_path, offline):
+    line = bad_run(capsys, tmp_path, "--dataset_test_split", "validation", config={})
+    assert "'validation'" in line and "dataset_test_split" in line
+
+
+def test_unreachable_model_without_network(tmp_path, cache):
+    """No HF_HUB_OFFLINE here: the CLI finds the Hub unreachable itself (or, with network, that the id is wrong)."""
+    out = tmp_path / "out"
+    environment = {k: v for k, v in env(cache).items() if k != "HF_HUB_OFFLINE"}
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_pruned_dpo", "--config", str(DEMO), "--output_dir", str(out),
+         "--model_name_or_path", "no-such-org/no-such-model"],
+        env=environment, capture_output=True, text=True, timeout=120, cwd=REPO)
+    line = error_line(result.stderr)
+    assert result.returncode == 2 and "'no-such-org/no-such-model'" in line and not out.exists(), line
+
+
+def test_failed_run_removes_only_the_folder_it_created(tmp_path):
+    created, existing, checkpointed = tmp_path / "new", tmp_path / "old", tmp_path / "ckpt"
+    existing.mkdir()
+    for folder in (created, existing, checkpointed):
+        with pytest.raises(RuntimeError), cli._OutputGuard(str(folder)):
+            folder.mkdir(exist_ok=True)
+            (folder / "config.json").write_text("{}")
+            if folder is checkpointed:
+                (folder / "checkpoint-5").mkdir()
+            raise RuntimeError
+    assert not created.exists() and existing.exists() and checkpointed.exists()
+
+
+# --- the demo API ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", TASKS + ("mix",))
+def test_tasks_have_a_ground_truth(task):
+    data = make_dataset(task, 60, seed=3)
+    assert data.column_names == ["prompt", "chosen", "rejected"]
+    assert data.to_list() == make_dataset(task, 60, seed=3).to_list() != make_dataset(task, 60, seed=4).to_list()
+    for row in data:
+        assert is_correct(task, row["prompt"], row["chosen"] + "<eos>")
+        assert not is_correct(None, row["prompt"], row["rejected"])
+        assert solve(row["prompt"]) == row["chosen"] and row["chosen"] != row["rejected"]
+    lengths = [len(r) for r in data["chosen"]]
+    assert min(lengths) < 20 and max(lengths) > 40
+
+
+def test_builtin_splits_do_not_overlap():
+    splits = load_builtin("builtin:mix")
+    assert len(splits["train"]) == 4096 and 200 < len(splits["test"]) <= 256
+    assert not set(splits["train"]["prompt"]) & set(splits["test"]["prompt"])
+
+
+def test_tokenizer_is_character_level():
+    tokenizer = build_tokenizer()
+    text = "add: 48+97 = 8+7+0=15 => 145"
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == len(text) + 1
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer(text + tokenizer.eos_token)["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_builtin_model_is_a_cached_deterministic_folder(monkeypatch, tmp_path):
+    import torch
+
+    from trl_pruned_dpo.demo import build_model
+
+    monkeypatch.setenv("TRL_PRUNED_DPO_CACHE", str(tmp_path))
+    state = torch.random.get_rng_state()
+    path = Path(resolve_model("builtin:tiny-demo"))
+    assert torch.equal(state, torch.random.get_rng_state())  # seeding the init left the global RNG alone
+    assert path.parent == tmp_path / "models" and resolve_model("builtin:tiny-demo") == str(path)
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp folder left
+    first, second = build_model("tiny-demo", seed=0), build_model("tiny-demo", seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    with pytest.raises(ValueError, match="builtin:tiny-demo"):
+        resolve_model("builtin:nope")
+    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    shutil.rmtree(path)
