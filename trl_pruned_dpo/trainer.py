@@ -92,6 +92,13 @@ class PrunedDPOTrainer(DPOTrainer):
             sample = next(iter(train_dataset))
             if "image" in sample or "images" in sample:
                 raise ValueError("PrunedDPOTrainer supports text datasets only; use trl.DPOTrainer for vision data.")
+            tokenized = {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(sample)
+            missing = [c for c in ("chosen", "rejected") if c not in sample]
+            if missing and not tokenized:
+                raise ValueError(
+                    f"The training dataset has no {missing} column(s) (it has {sorted(sample)}): a preference "
+                    "dataset needs `chosen` and `rejected` (and `prompt`, or a prompt shared at their start)."
+                )
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         super().__init__(model, ref_model, args, *pargs, **kwargs)

@@ -1,0 +1,86 @@
+"""Contract: every invalid pruning value raises before any work, with a message naming the field and the fix."""
+
+import pytest
+from trl import DPOConfig
+
+from conftest import build_trainer
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+
+
+def config(**kw):
+    return PrunedDPOConfig(output_dir="unused", report_to="none", bf16=False, **kw)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("position_keep_prob", 0.0, r"`position_keep_prob` must lie in \(0.0, 1.0\]"),
+        ("position_keep_prob", 1.5, "position_keep_prob"),
+        ("position_keep_prob", -0.1, "position_keep_prob"),
+        ("branch_keep_prob", 0.0, "branch_keep_prob"),
+        ("branch_keep_prob", 2, "branch_keep_prob"),
+        ("prefix_prune_prob", -0.5, r"`prefix_prune_prob` must lie in \[0.0, 1.0\]"),
+        ("prefix_prune_prob", 1.01, "prefix_prune_prob"),
+        ("prefix_min_ratio", 0.0, "prefix_min_ratio"),
+        ("prefix_min_ratio", 1.2, "prefix_min_ratio"),
+        ("branch_sampling", "stratified", "branch_sampling.*paired.*independent"),
+        ("position_keep_prob", float("nan"), "position_keep_prob"),
+    ],
+)
+def test_invalid_values_are_rejected(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        config(**{field: value})
+
+
+def test_non_numeric_probability_is_rejected():
+    with pytest.raises(TypeError, match="position_keep_prob"):
+        config(position_keep_prob="half")
+
+
+def test_unknown_loss_type_is_rejected_up_front():
+    with pytest.raises(ValueError, match="Unknown `loss_type`.*'sigmoid'"):
+        config(loss_type=["sigmoidd"])
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(loss_type=["ipo"]), "prune_common_prefix.*'ipo'"),
+        (dict(loss_type=["sigmoid", "bco_pair"]), "bco_pair"),
+        (dict(f_divergence_type="js_divergence"), "f_divergence_type"),
+        (dict(use_weighting=True), "use_weighting"),
+    ],
+)
+def test_common_prefix_is_only_for_pair_difference_losses(kw, message):
+    with pytest.raises(ValueError, match=message):
+        config(prune_common_prefix=True, **kw)
+
+
+def test_defaults_prune_nothing_and_seed_follows_the_run():
+    args = config(seed=7)
+    assert not args.pruning_enabled and args.prune_seed == 7
+    assert config(prune_seed=3, seed=7).prune_seed == 3
+    assert config(branch_keep_prob=0.5).pruning_enabled
+
+
+def test_fields_come_from_a_parser():
+    from trl import TrlParser
+
+    (args,) = TrlParser((PrunedDPOConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", "x", "--branch_keep_prob", "0.5", "--branch_sampling", "independent",
+         "--prune_reference", "false", "--bf16", "false", "--report_to", "none"]
+    )
+    assert args.branch_keep_prob == 0.5 and args.branch_sampling == "independent" and not args.prune_reference
+
+
+def test_trainer_needs_a_pruned_config(tokenizer, dataset, tmp_path):
+    with pytest.raises(TypeError, match="PrunedDPOConfig"):
+        build_trainer(PrunedDPOTrainer, DPOConfig, tokenizer, dataset, tmp_path)
+
+
+def test_vision_datasets_are_rejected(tokenizer, tmp_path):
+    from datasets import Dataset
+
+    data = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c", "images": []}])
+    with pytest.raises(ValueError, match="text datasets only"):
+        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path)
