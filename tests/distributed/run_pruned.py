@@ -148,6 +148,8 @@ def allow_fsdp_on_cpu():
         init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
             PartialState._shared_state["distributed_type"] = self.distributed_type
 
