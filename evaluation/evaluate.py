@@ -4,7 +4,10 @@
   pairs: implicit-reward preference accuracy (TRL's `rewards/accuracies`: the fraction of pairs with
   beta * (D_w - D_l) > 0; a tie, as at step 0 where the policy is the reference, counts as wrong) and the mean
   reward margin.
-- `generation_accuracy`: greedy decoding of held-out prompts, judged by the task's ground truth (`is_correct`).
+- `generation_accuracy`: greedy decoding of held-out prompts, judged by the task's ground truth (`is_correct`);
+  also the fraction whose completion *starts with* the right answer (`gen_prefix_acc`: right content, possibly
+  not stopped at the right place), which separates "wrong answer" from "did not emit EOS" (DPO on near-copy pairs
+  is known to displace likelihood away from EOS).
 - `logprob_preference`: the fraction of pairs where the policy itself gives the chosen answer the higher
   log-probability (used to check the warm start; DPO's implicit reward is relative to the reference instead).
 """
@@ -31,6 +34,7 @@ def generation_accuracy(model, tokenizer, rows, batch_size: int = 32) -> dict[st
     rows = sorted(rows, key=lambda r: len(solve(r["prompt"])))
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     correct: dict[str, list[bool]] = {}
+    prefix_right = []
     try:
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
@@ -47,11 +51,12 @@ def generation_accuracy(model, tokenizer, rows, batch_size: int = 32) -> dict[st
             for row, completion in zip(chunk, completions):
                 task = task_of(row["prompt"])
                 correct.setdefault(task, []).append(is_correct(task, row["prompt"], completion))
+                prefix_right.append(completion.split("<", 1)[0].startswith(solve(row["prompt"])))
     finally:
         tokenizer.padding_side = side
         model.train(was_training)
     flat = [c for values in correct.values() for c in values]
-    result = {"gen_acc": sum(flat) / max(len(flat), 1)}
+    result = {"gen_acc": sum(flat) / max(len(flat), 1), "gen_prefix_acc": sum(prefix_right) / max(len(flat), 1)}
     result.update({f"gen_acc/{task}": sum(v) / len(v) for task, v in sorted(correct.items())})
     return result
 

@@ -72,9 +72,11 @@ def _gradient(trainer, batch, step: int) -> tuple[torch.Tensor, int]:
     return flat.double(), cost
 
 
-def diagnose(settings: list[Setting], policy_dir: str, reference_dir: str, rows, cfg, draws: int, log=print) -> dict:
-    """Diagnostics of every setting at the policy in `policy_dir` (reference from `reference_dir`) on `rows`
-    split into consecutive batches of `cfg.batch_size` pairs. Returns {setting name: metrics}."""
+def diagnose(settings: list[Setting], policy_dir: str, reference_dir: str, rows, cfg, draws: int, batches: int,
+             log=print) -> dict:
+    """Diagnostics of every setting at the policy in `policy_dir` (reference from `reference_dir`). `rows` are split
+    into consecutive batches of `cfg.batch_size` pairs: all of them measure stock's minibatch noise, the first
+    `batches` get `draws` mask draws per setting. Returns {setting name: metrics}."""
     from datasets import Dataset
 
     from .sft import load_policy
@@ -84,14 +86,15 @@ def diagnose(settings: list[Setting], policy_dir: str, reference_dir: str, rows,
     train_ds = Dataset.from_list(rows)
     with tempfile.TemporaryDirectory(prefix="quality_grad_") as output_dir:
         stock = _trainer(Setting("stock", "stock", stock=True), model, ref_model, tokenizer, train_ds, cfg, output_dir)
-        batches = _batches(stock)
-        exact = [_gradient(stock, batch, 0) for batch in batches]
+        all_batches = _batches(stock)
+        exact = [_gradient(stock, batch, 0) for batch in all_batches]
         full = [g for g, _ in exact]
         pool = torch.stack(full).mean(0)
         n = len(full)
         sgd_noise = sum(float((g - pool).pow(2).sum()) for g in full) / max(n - 1, 1)  # unbiased over batches
-        results = {"_meta": {"batches": n, "batch_size": cfg.batch_size, "draws": draws, "sgd_noise": sgd_noise,
-                             "grad_norm": statistics.mean(float(g.norm()) for g in full)}}
+        exact, batches = exact[:batches], all_batches[:batches]
+        results = {"_meta": {"batches": len(batches), "sgd_batches": n, "batch_size": cfg.batch_size, "draws": draws,
+                             "sgd_noise": sgd_noise, "grad_norm": statistics.mean(float(g.norm()) for g in full)}}
         for setting in settings:
             started = time.perf_counter()
             trainer = _trainer(setting, model, ref_model, tokenizer, train_ds, cfg, output_dir)

@@ -36,25 +36,27 @@ class Profile:
     n_sft: int = 16384
     sft_steps: int = 1000
     n_train: int = 2048
-    n_test: int = 192  # held-out pairs for the preference metrics
-    n_gen: int = 64  # held-out prompts for generation accuracy (the first n_gen of the test pairs)
+    n_test: int = 128  # held-out pairs for the preference metrics
+    n_gen: int = 48  # held-out prompts for generation accuracy (the first n_gen of the test pairs)
     seeds: tuple = (0, 1, 2)
     settings: tuple = ()  # empty: settings.TRAINED
     diag_settings: tuple = ()  # empty: settings.DIAGNOSED
-    diag_batches: int = 4
-    diag_draws: int = 16
+    diag_batches: int = 4  # batches that get mask draws
+    sgd_batches: int = 16  # batches whose exact gradients measure stock's minibatch noise
+    diag_draws: int = 12
     timing_rounds: int = 6
     timing_steps: int = 3
     run: dict = field(default_factory=dict)  # RunConfig overrides
 
 
-FULL = Profile(run=dict(steps=200, pruned_steps_factor=1.5, eval_every=25, gen_every=50))
+FULL = Profile(run=dict(steps=150, pruned_steps_factor=1.5, eval_every=25, gen_every=50))
 QUICK = Profile(quick=True, n_sft=4096, sft_steps=300, n_train=256, n_test=32, n_gen=32, diag_batches=2,
-                diag_draws=6, timing_rounds=2, timing_steps=2,
+                sgd_batches=6, diag_draws=6, timing_rounds=2, timing_steps=2,
                 run=dict(steps=30, eval_every=10, gen_every=10, eval_batch_size=16))
 # CI's smoke test: the quick profile at the smallest sizes that still exercise every stage (well under 90 s).
 SMOKE = replace(QUICK, n_sft=256, sft_steps=10, n_train=32, n_test=16, n_gen=8, seeds=(0, 1),
                 settings=("stock", "branch_cp"), diag_settings=("branch_cp", "position_cp_shared"), diag_batches=1,
+                sgd_batches=2,
                 diag_draws=2, timing_rounds=1, timing_steps=1,
                 run=dict(steps=4, eval_every=2, gen_every=4, eval_batch_size=8))
 
@@ -105,7 +107,8 @@ class Study:
             raise SystemExit(f"Unknown settings {unknown}; known: {sorted(SETTINGS)}")
         if self.trained[0] != "stock":
             self.trained = ["stock"] + [n for n in self.trained if n != "stock"]
-        self.sft = SFTSpec(quick=profile.quick, n_examples=profile.n_sft, steps=profile.sft_steps)
+        self.sft = SFTSpec(quick=profile.quick, n_examples=profile.n_sft, steps=profile.sft_steps,
+                           n_train=profile.n_train, n_test=profile.n_test)
         self.splits = make_study_splits(profile.n_sft, profile.n_train, profile.n_test, quick=profile.quick)
         self.base_fp = [self.sft.key(), profile.n_train, profile.n_test, profile.n_gen, asdict(self.cfg)]
 
@@ -178,10 +181,11 @@ class Study:
         from .settings import SETTINGS
 
         path = self.out / "gradients.json"
-        fp = _fingerprint(self.base_fp, self.diagnosed, self.profile.diag_batches, self.profile.diag_draws)
+        fp = _fingerprint(self.base_fp, self.diagnosed, self.profile.diag_batches, self.profile.diag_draws,
+                          self.profile.sgd_batches)
         if _load(path, fp):
             return
-        rows = self.splits["train"][: self.profile.diag_batches * self.cfg.batch_size]
+        rows = self.splits["train"][: max(self.profile.sgd_batches, self.profile.diag_batches) * self.cfg.batch_size]
         settings = [SETTINGS[n] for n in self.diagnosed]
         result = {"fingerprint": fp}
         trained = self.out / "policies" / f"stock-s{self.profile.seeds[0]}"
@@ -191,7 +195,7 @@ class Study:
         for state, policy in states:
             _log(f"gradient diagnostics at the {state} policy ({len(settings)} settings)")
             result[state] = diagnose(settings, policy, self.policy(), rows, self.cfg, self.profile.diag_draws,
-                                     log=_log)
+                                     self.profile.diag_batches, log=_log)
         _save(path, result)
 
     def report(self):

@@ -106,6 +106,7 @@ def summarize(runs: dict, timing: dict, steps: int) -> dict:
                 "acc_final": acc[-1],
                 "margin_steps": interp(xs, margin, steps),
                 "gen_steps": interp(gx, gen, steps) if gx else float("nan"),
+                "gen_prefix_steps": interp(*curve(run, "gen_prefix_acc"), steps) if gx else float("nan"),
                 "step_s": run["train_time"] / run["max_steps"],
                 "cost_per_step": run["cost_units"] / run["max_steps"],
                 "clip": run["clip_fraction"],
@@ -138,9 +139,9 @@ def fmt(mean_half, pct=True, signed=False, digits=1, scale=None):
 # ---------------------------------------------------------------------------------------------------------- plots
 
 FAMILIES = [
-    ("Branch pruning", ["stock", "branch", "branch_cp", "branch_ind_cp", "branch_cp_anneal"]),
+    ("Branch pruning", ["stock", "branch", "branch_cp", "branch_ind_cp", "branch75_cp", "branch_cp_anneal"]),
     ("Position pruning", ["stock", "position", "position_cp", "position_cp_shared"]),
-    ("Prefix and combined", ["stock", "prefix", "combined", "combined_cp_shared"]),
+    ("Prefix and combined", ["stock", "prefix", "prefix_cp", "combined", "combined_cp", "combined_cp_shared"]),
 ]
 
 
@@ -189,14 +190,14 @@ def plot_curves(runs: dict, start: dict, path_steps: str, path_time: str, path_e
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     for i, name in enumerate(runs):
         seed_runs = [_with_start(r, start) for r in runs[name]]
         end = max(r["max_steps"] for r in seed_runs)
         grid = [end * j / 40 for j in range(41)]
         color = colors(i % 10)
         style = "-" if i < 10 else "--"
-        for ax, key in zip(axes, ("margin", "gen_acc")):
+        for ax, key in zip(axes, ("margin", "gen_acc", "gen_prefix_acc")):
             means = []
             xs = []
             for g in grid:
@@ -210,11 +211,12 @@ def plot_curves(runs: dict, start: dict, path_steps: str, path_time: str, path_e
             ax.plot(xs, means, style, color=color, label=SETTINGS[name].label, lw=1.1)
     axes[0].set_ylabel("held-out reward margin")
     axes[1].set_ylabel("held-out greedy generation accuracy")
+    axes[2].set_ylabel("generation starts with the right answer")
     for ax in axes:
         ax.set_xlabel("training step")
         ax.axvline(steps, color="grey", ls=":", lw=1)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=6, loc="best")
+    axes[2].legend(fontsize=6, loc="best")
     fig.tight_layout()
     fig.savefig(path_extra, dpi=110)
     plt.close(fig)

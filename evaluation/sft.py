@@ -2,10 +2,10 @@
 
 DPO needs a policy that already half-knows the task, or there is nothing to sharpen. This is a plain causal-LM loop
 (AdamW, linear warmup then cosine decay, loss on the completion tokens only) over the `sft` split, which shares no
-prompt with the DPO train or test splits. The sequence layout is exactly TRL's DPO one for this tokenizer:
-``<bos> prompt completion <eos>``. The result is saved with `save_pretrained` under the demo cache
-(``$TRL_PRUNED_DPO_CACHE/quality/``), keyed by a hash of everything that determines it, so every setting and seed
-starts from the very same weights and a second run of the study loads instead of training.
+prompt with the DPO train or test splits (drawn with the same sizes as the study's). The sequence layout is exactly
+TRL's DPO one for this tokenizer: ``<bos> prompt completion <eos>``. The result is saved with `save_pretrained`
+under the demo cache (``$TRL_PRUNED_DPO_CACHE/quality/``), keyed by a hash of everything that determines it, so every
+setting and seed starts from the very same weights and a second run of the study loads instead of training.
 """
 
 import hashlib
@@ -35,6 +35,8 @@ class SFTSpec:
     data_seed: int = 0
     quick: bool = False
     n_examples: int = 16384
+    n_train: int = 2048  # the DPO splits' sizes: their prompts are kept out of the SFT data
+    n_test: int = 128
     steps: int = 1500
     batch_size: int = 32
     learning_rate: float = 3e-3
@@ -70,7 +72,7 @@ def _batch(encoded, pad_id):
 def train_sft(spec: SFTSpec, log=print):
     """Train the starting policy from the demo's seeded init; returns the model (fp32, eval mode)."""
     tokenizer = build_tokenizer()
-    rows = make_study_splits(spec.n_examples, 0, 0, seed=spec.data_seed, quick=spec.quick)["sft"]
+    rows = make_study_splits(spec.n_examples, spec.n_train, spec.n_test, seed=spec.data_seed, quick=spec.quick)["sft"]
     encoded = _encode(tokenizer, rows)
     model = build_model(spec.model, spec.model_seed)
     model.train()

@@ -14,6 +14,7 @@ import hashlib
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, TrainerCallback
@@ -30,10 +31,10 @@ from .sft import load_policy
 
 @dataclass(frozen=True)
 class RunConfig:
-    steps: int = 200  # the equal-steps budget N
+    steps: int = 150  # the equal-steps budget N
     pruned_steps_factor: float = 1.5  # every run goes on to this many times N, to be read at equal wall-clock
     batch_size: int = 8  # pairs per step
-    learning_rate: float = 2e-4
+    learning_rate: float = 1e-4
     warmup: int = 10
     beta: float = 0.1
     max_grad_norm: float = 1.0
@@ -127,6 +128,17 @@ def build_trainer(setting: Setting, policy_dir: str, train_ds, eval_ds, seed: in
                eval_dataset=eval_ds, processing_class=tokenizer), tokenizer
 
 
+def package_digest() -> str:
+    """A hash of the trl_pruned_dpo sources (the trainer may change while a long study runs; the report checks it)."""
+    import trl_pruned_dpo
+
+    root = Path(trl_pruned_dpo.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def run(setting: Setting, seed: int, policy_dir: str, train_ds, eval_ds, gen_rows, cfg: RunConfig, log=print,
         save_dir: str | None = None) -> dict:
     """Train `setting` with `seed`; return its record: config, eval curve, per-step train logs, timings. With
@@ -167,4 +179,5 @@ def run(setting: Setting, seed: int, policy_dir: str, train_ds, eval_ds, gen_row
         # The data order over the equal-steps budget: identical for every setting of a seed (checked in report.py).
         "data_digest": hashlib.sha256("".join(trainer.batch_hashes[: cfg.steps]).encode()).hexdigest()[:16],
         "threads": torch.get_num_threads(),
+        "package_digest": package_digest(),
     }

@@ -70,8 +70,9 @@ def write(study):
     img = docs / "img"
     img.mkdir(parents=True, exist_ok=True)
     files = {k: f"quality_{k}.png" for k in ("steps", "time", "margin_gen", "gradients")}
-    plot_curves({n: r for n, r in runs.items() if n not in exact}, start, str(img / files["steps"]), str(img / files["time"]), str(img / files["margin_gen"]),
-                steps)
+    trained_runs = {n: r for n, r in runs.items() if n not in exact}
+    plot_curves(trained_runs, start, str(img / files["steps"]), str(img / files["time"]),
+                str(img / files["margin_gen"]), steps)
     diag_names = [n for n in study.diagnosed if any(n in grads.get(s, {}) for s in ("start", "trained"))]
     if diag_names:
         plot_gradients(grads, str(img / files["gradients"]), diag_names)
@@ -82,6 +83,7 @@ def write(study):
         for r in seed_runs:
             digests.setdefault(r["seed"], set()).add(r["data_digest"])
     same_order = all(len(d) == 1 for d in digests.values())
+    versions = {r.get("package_digest", "?") for rs in runs.values() for r in rs}
 
     seeds = sorted({r["seed"] for rs in runs.values() for r in rs})
     sizes = QUICK_SIZES if profile.quick else STUDY_SIZES
@@ -104,7 +106,7 @@ def write(study):
       "round-robin step timing); Δ is paired by seed against stock. Gradient columns: the "
       f"{state} policy, fixed batches of {cfg.batch_size} pairs (see [Gradient diagnostics](#gradient-diagnostics)).\n")
     w("| setting | pref acc @N | Δ @N | verdict @N | step time (× stock) | pref acc @ equal time | Δ @ equal time | "
-      "verdict @ equal time | gen acc @N | margin @N | grad cos | noise / SGD noise |")
+      "verdict @ equal time | gen acc @N (right prefix) | margin @N | grad cos | noise / SGD noise |")
     w("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         if name not in summary:
@@ -118,7 +120,8 @@ def write(study):
           f"{'—' if stock else _verdict_steps(row['d_acc_steps'])} | {row['ratio']:.2f} | "
           f"{eq} | {'—' if stock else fmt(row['d_acc_time'], signed=True)} | "
           f"{'—' if stock else _verdict_time(row['d_acc_time'], row['lower_bound'])} | "
-          f"{fmt(row['gen_steps'])} | {fmt(row['margin_steps'], pct=False, digits=2)} | "
+          f"{fmt(row['gen_steps'])} ({fmt(row['gen_prefix_steps'])}) | "
+          f"{fmt(row['margin_steps'], pct=False, digits=2)} | "
           f"{_num(g.get('cos'), 3)} | {_num(g.get('noise_vs_sgd'), 2)} |")
     w("")
     if exact:
@@ -142,13 +145,15 @@ def write(study):
     w("## Gradient diagnostics\n")
     meta = grads.get("start", {}).get("_meta") or grads.get("trained", {}).get("_meta") or {}
     w(f"{meta.get('batches', '?')} fixed training batches of {cfg.batch_size} pairs, {meta.get('draws', '?')} mask "
-      "draws per batch. *cos*: mean cosine of the pruned gradient with stock's on the same batch; *rel. MSE*: "
+      f"draws per batch per setting; stock's minibatch noise from {meta.get('sgd_batches', '?')} batches. "
+      "*cos*: mean cosine of the pruned gradient with stock's on the same batch; *rel. MSE*: "
       "E|g^ - g|² / |g|²; *bias*: |mean g^ - g|² / |g|² less its noise floor (≈ 0: unbiased on this batch); "
       "*noise/SGD*: the pruning noise divided by the minibatch noise stock already has at this batch size; "
       "*eff. batch*: the batch size whose minibatch noise equals stock's plus pruning's, B / (1 + noise/SGD); "
       "*cost*: work per step relative to stock (token units: forward 1, backward 2, reference forward 1). "
-      "`start` is the starting policy (= the reference, so every log-ratio is 0 there); `trained` is stock after N "
-      f"steps (seed {profile.seeds[0]}).\n")
+      "`start` is the starting policy (= the reference, so every log-ratio is 0 there); `trained` is stock at the "
+      "end of its "
+      f"run ({cfg.max_steps(SETTINGS['stock'])} steps, seed {profile.seeds[0]}).\n")
     if diag_names:
         w(f"![gradient diagnostics](img/{files['gradients']})\n")
         states = [s for s in ("start", "trained") if s in grads]
@@ -196,15 +201,18 @@ def write(study):
     w("")
 
     w("## Setup\n")
-    w(f"- **Task** (evaluation/tasks.py over trl_pruned_dpo/demo/tasks.py): sort, add (worked column sums) and "
-      f"reverse in equal shares, sizes {sizes}; responses from 2 to ~{215 if not profile.quick else 40} tokens "
+    w(f"- **Task** (evaluation/tasks.py): `sort` (trl_pruned_dpo/demo/tasks.py) and `count` (added for the study) in "
+      f"equal shares, sizes {sizes}; responses from 2 to ~{240 if not profile.quick else 40} tokens "
       "(character-level). Every rejected answer is the chosen one with one planted mistake at a uniform position "
-      "(near-copy pairs: about half of each response is a common prefix). Ground truth: `is_correct`.")
+      "(near-copy pairs: about half of each response is a common prefix). Ground truth: `is_correct`. The demo's "
+      "`reverse` and `add` are left out: DPO with this model does not generalize on them (held-out accuracy at or "
+      "below chance), which would only add noise to the comparison.")
     w(f"- **Splits**: {profile.n_sft} SFT examples, {profile.n_train} DPO training pairs, {profile.n_test} held-out "
       f"pairs (the first {profile.n_gen} prompts also for generation); no prompt in two splits.")
     w(f"- **Starting policy**: the demo's `{study.sft.model}` Llama (random init, seed {study.sft.model_seed}) after "
       f"{study.sft.steps} SFT steps of {study.sft.batch_size} chosen answers (evaluation/sft.py), cached. At step 0: "
-      f"generation accuracy {start.get('gen_acc', float('nan')) * 100:.1f}%, and the policy ranks the chosen answer "
+      f"generation accuracy {start.get('gen_acc', float('nan')) * 100:.1f}% (right answer as a prefix: "
+      f"{start.get('gen_prefix_acc', float('nan')) * 100:.1f}%), and the policy ranks the chosen answer "
       f"above the rejected one on {start.get('logprob_pref', float('nan')) * 100:.1f}% of held-out pairs by its own "
       "log-probability.")
     w(f"- **DPO**: sigmoid loss, beta {cfg.beta}, AdamW lr {cfg.learning_rate} constant after {cfg.warmup} warmup "
@@ -214,7 +222,9 @@ def write(study):
       "`evaluate` for both trainers, greedy decoding for generation.")
     w("- **Same for every setting of a seed**: starting weights, data and data order (`seed` = `data_seed`), "
       f"evaluation pairs. Data order identical across settings (batch hashes over the first N steps): "
-      f"**{'verified' if same_order else 'NOT identical — investigate'}**.")
+      f"**{'verified' if same_order else 'NOT identical — investigate'}**. Trainer sources (hash of "
+      f"trl_pruned_dpo/*.py): {'the same for every run' if len(versions) == 1 else 'changed between runs: '}"
+      f"{' '.join(sorted(versions)) if len(versions) > 1 else ''}.")
     w("- **Prototypes** (evaluation/prototypes.py, not in the trainer): *pair-shared mask* draws one position mask "
       "(and one prefix cut) per pair and applies it to both rows, same marginals as the trainer's masks; "
       "*annealed* ramps the keep probabilities to 1 over the last 30% of the N steps.\n")
