@@ -80,7 +80,9 @@ def _suggest(name: str, parser) -> str:
 
 
 def parse(argv: list[str]):
-    """Parse `argv` like `trl dpo`. Returns (script_args, training_args, model_args, dataset_args, launch_args)."""
+    """Parse `argv` like `trl dpo`. Returns (script_args, training_args, model_args, dataset_args, launch_args,
+    cli_remaining): the four dataclasses, the `accelerate launch` arguments (from the YAML and the command line, with
+    `--accelerate_config` resolved), and the command-line strings that were accelerate options."""
     import yaml
 
     if "--config" in argv:
@@ -344,6 +346,16 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
     return "\n".join(line if isinstance(line, str) else f"  {line[0]:<24} {line[1]}" for line in lines)
 
 
+def _apply_thread_count() -> None:
+    """Honour OMP_NUM_THREADS from the YAML `env:` mapping: torch read the variable when TRL imported it, before the
+    YAML was parsed."""
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and int(threads) != torch.get_num_threads():
+        torch.set_num_threads(int(threads))
+
+
 def train(script_args, training_args, model_args, dataset_args, started: float | None = None) -> int:
     """Train in this process, as `trl dpo`'s script does, with `PrunedDPOTrainer`. Returns the exit code."""
     import transformers
@@ -353,6 +365,7 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
     from .trainer import PrunedDPOTrainer
 
     started = time.perf_counter() if started is None else started
+    _apply_thread_count()
     names = [model_args.model_name_or_path, script_args.dataset_name]
     if training_args.push_to_hub or any(_is_hub_id(n) for n in names):
         if _hub_unreachable():
@@ -416,9 +429,21 @@ def _print_error(message: str) -> None:
     print(prefix + message, file=sys.stderr, flush=True)
 
 
+def _process_started() -> float:
+    """`time.perf_counter()` at process start (Linux), so the summary's total includes the imports that ran before
+    `main`; elsewhere, now."""
+    now = time.perf_counter()
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return now - max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return now
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console script `trl-pruned-dpo` and `python -m trl_pruned_dpo`. Returns the exit code."""
-    started = time.perf_counter()
+    started = _process_started()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         script_args, training_args, model_args, dataset_args, launch_args, cli_remaining = parse(argv)
