@@ -149,6 +149,10 @@ def test_yaml_keys_and_flags_reach_the_config(tmp_path):
     assert (model.model_name_or_path, model.lora_r, script.dataset_name) == ("builtin:tiny-demo", 4, "builtin:sort")
     assert launch_args == ["--num_processes", "2", "--mixed_precision", "no"]
 
+    # Valid only under a launcher (gloo wants a process group): left to the launched processes to check.
+    *parsed, launch_args, _ = cli.parse(["--config", str(DEMO), "--ddp_backend", "gloo", "--num_processes", "2"])
+    assert parsed == [None] * 4 and launch_args == ["--num_processes", "2"]
+
     *_, launch_args, _ = cli.parse(["--config", str(DEMO), "--accelerate_config",
                                     str(REPO / "configs" / "accelerate" / "zero2.yaml")])
     assert launch_args == ["--config_file", str(REPO / "configs" / "accelerate" / "zero2.yaml")]
@@ -165,6 +169,26 @@ def test_accelerate_configs_load(recipe):
     from accelerate.commands.config.config_args import load_config_from_file
 
     assert load_config_from_file(str(recipe)).num_processes >= 1
+
+
+def test_summary_averages_prune_metrics_and_says_na_without_them():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2, world_size=1,
+                           position_keep_prob=1.0, prefix_prune_prob=0.5, prefix_min_ratio=0.5, branch_keep_prob=0.5,
+                           branch_sampling="paired", prune_common_prefix=False, output_dir="out")
+    logs = [{"loss": 0.7, "rewards/accuracies": 0.5, "prune/tokens_executed": 0.8, "step": 5},
+            {"loss": 0.6, "rewards/accuracies": 0.75, "prune/tokens_executed": 0.6, "step": 10},
+            {"eval_rewards/accuracies": 0.625, "step": 10}, {"train_runtime": 3.0, "train_loss": 0.65, "step": 10}]
+    trainer = SimpleNamespace(args=args, state=SimpleNamespace(global_step=10, log_history=logs))
+    text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
+    assert "10 (160 pairs) in 3.0 s of training, 9.0 s in all" in text
+    assert "0.600 / 0.750 (step 10" in text and "held-out reward acc.     0.625" in text
+    assert "tokens executed          70.0% of the full graph" in text and "branches backpropagated  n/a" in text
+    stock = [{k: v for k, v in e.items() if not k.startswith("prune/")} for e in logs]
+    trainer.state.log_history = stock[-1:]  # fewer steps than logging_steps: only the closing entry
+    text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
+    assert "0.650 / n/a" in text and text.count("n/a") == 5
 
 
 # --- bad input: one line, exit 2, no output folder -----------------------------------------------------------------

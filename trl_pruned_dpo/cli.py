@@ -79,6 +79,21 @@ def _suggest(name: str, parser) -> str:
     return f" (did you mean `{close[0]}`?)" if close else ""
 
 
+def _remaining_strings(parser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """What `parse_args_and_config` leaves over (YAML keys, command-line strings), without building the dataclasses."""
+    import yaml
+
+    args, config_remaining = list(argv), []
+    if "--config" in args:
+        index = args.index("--config")
+        config = yaml.safe_load(Path(args[index + 1]).read_text())
+        config = config if isinstance(config, dict) else {}
+        del args[index : index + 2]
+        dests = {action.dest for action in parser._actions}
+        config_remaining = [s for k, v in config.items() if k not in dests and k != "env" for s in (f"--{k}", str(v))]
+    return config_remaining, parser.parse_known_args(args)[1]
+
+
 def parse(argv: list[str]):
     """Parse `argv` like `trl dpo`. Returns (script_args, training_args, model_args, dataset_args, launch_args,
     cli_remaining): the four dataclasses, the `accelerate launch` arguments (from the YAML and the command line, with
@@ -100,9 +115,14 @@ def parse(argv: list[str]):
         )
     except yaml.YAMLError as error:
         raise InputError(f"config file is not valid YAML ({' '.join(str(error).split())}): fix its syntax.") from None
-    except (ValueError, TypeError) as error:  # raised by the configs' __post_init__: the message names the option
-        raise InputError(f"invalid configuration: {' '.join(str(error).split())} Fix it in the YAML or on the "
-                         "command line.") from None
+    except (ValueError, TypeError, RuntimeError) as error:  # the configs' __post_init__: the message names the option
+        # Some settings only hold under a launcher (e.g. `ddp_backend: gloo` wants a process group): if this process
+        # is about to launch, leave the validation to the launched processes.
+        parsed, (config_remaining, cli_remaining) = [None] * 4, _remaining_strings(parser, argv)
+        if not (_split_remaining(config_remaining + cli_remaining, _accelerate_options())[0] and
+                not _under_launcher()):
+            raise InputError(f"invalid configuration: {' '.join(str(error).split())} Fix it in the YAML or on the "
+                             "command line.") from None
     known = _accelerate_options()
     config_launch, config_unknown = _split_remaining(config_remaining, known)
     cli_launch, cli_unknown = _split_remaining(cli_remaining, known)
@@ -317,7 +337,8 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
     args, state = trainer.args, trainer.state
     history = state.log_history
     train_log = next((e for e in reversed(history) if "train_runtime" in e), {})
-    last = next((e for e in reversed(history) if "loss" in e), {})
+    # With fewer steps than `logging_steps`, TRL folds the metrics into the closing entry (loss as `train_loss`).
+    last = next((e for e in reversed(history) if "loss" in e), {**train_log, "loss": train_log.get("train_loss")})
     last_eval = next((e for e in reversed(history) if "eval_rewards/accuracies" in e), None)
     pairs = state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
 
