@@ -20,6 +20,7 @@ import shutil
 import socket
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -263,16 +264,14 @@ def load_data(script_args, dataset_args):
 
     name = script_args.dataset_name
     if dataset_args.datasets:  # like `trl dpo`: a mixture wins over `dataset_name`
-        name, load = "the `datasets` mixture", lambda: get_dataset(dataset_args)
+        name, load = "the `datasets` mixture", partial(get_dataset, dataset_args)
     elif not name:
         raise InputError("no dataset given: set `dataset_name` (a hub id, a local folder, or builtin:mix) or "
                          "`datasets`.")
     elif name.startswith(BUILTIN_PREFIX):
-        load = lambda: load_builtin(name)  # noqa: E731
+        load = partial(load_builtin, name)
     else:
-        load = lambda: load_dataset(  # noqa: E731
-            name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
-        )
+        load = partial(load_dataset, name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     try:
         return load(), name
     except Exception as error:  # datasets raises many types (DatasetNotFoundError, ConnectionError, ValueError, ...)
@@ -388,7 +387,7 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
     started = time.perf_counter() if started is None else started
     _apply_thread_count()
     names = [model_args.model_name_or_path, script_args.dataset_name]
-    if training_args.push_to_hub or any(_is_hub_id(n) for n in names):
+    if training_args.push_to_hub or dataset_args.datasets or any(_is_hub_id(n) for n in names):
         if _hub_unreachable():
             _go_offline()  # cached models and datasets still load, at once instead of after retries
     else:
