@@ -29,7 +29,7 @@ from trl import DPOConfig, DPOTrainer
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
-from .prototypes import SharedMaskPrunedDPOTrainer
+from .prototypes import prototype_class
 from .settings import Setting
 
 
@@ -43,7 +43,8 @@ def _trainer(setting: Setting, model, ref_model, tokenizer, train_ds, cfg, outpu
     if setting.stock:
         return DPOTrainer(model=model, ref_model=ref_model, args=DPOConfig(**common), train_dataset=train_ds,
                           processing_class=tokenizer)
-    cls = SharedMaskPrunedDPOTrainer if setting.shared_masks else PrunedDPOTrainer
+    cls = prototype_class(setting.shared_masks, setting.balanced) if setting.shared_masks or setting.balanced \
+        else PrunedDPOTrainer
     return cls(model=model, ref_model=ref_model, args=PrunedDPOConfig(**common, **setting.pruning),
                train_dataset=train_ds, processing_class=tokenizer)
 

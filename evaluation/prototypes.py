@@ -12,12 +12,23 @@ docs/quality.md. They subclass or drive `PrunedDPOTrainer` from outside and do n
    same (shared METHOD.md "Exact savings": "drawing the same mask for both branches on their common prefix has the same
    effect", here extended past the prefix).
 
-2. Keep-probability annealing (`AnnealKeepProbs`, a callback): the keep probabilities ramp linearly to 1 (and the
+2. Balanced branch sampling (`balanced=True`): paired branch sampling at p = 1/2 backpropagates one branch per
+   pair, the chosen one or the rejected one by a fair coin per pair. Balanced draws a random half of the pairs of
+   the micro-batch to backpropagate their chosen branch and the other half their rejected branch (an odd pair out
+   gets a coin): every branch keeps inclusion probability 1/2, so the estimator stays unbiased, but the signs are
+   no longer independent. With v_i the single-branch error of pair i (for sigmoid DPO v_i is c_i (grad D_w +
+   grad D_l), the "make both answers likelier" direction, which near-copy pairs share), the noise of the batch
+   gradient is sum_i s_i v_i with s_i = +-1; independent coins give sum_i |v_i|^2, a balanced split removes the
+   component the pairs have in common: about sum_i |v_i - mean v|^2. For p > 1/2 the branch that is always kept
+   is balanced the same way. Same cost as paired.
+
+3. Keep-probability annealing (`AnnealKeepProbs`, a callback): the keep probabilities ramp linearly to 1 (and the
    prefix-prune probability to 0) over the last `fraction` of a planned horizon, then stay there, so the last
    steps are exact. The ramp costs the full price of those steps.
 
-Branch pruning has no analogue of (1): its noise on near-copy pairs is the aligned part of the two branches'
-*parameter* gradients, and no joint law of the masks recovers grad D_w - grad D_l from one backward pass.
+Within one pair, branch pruning has no analogue of (1): its noise on a near-copy pair is the aligned part of the two
+branches' *parameter* gradients, and no joint law of one pair's masks recovers grad D_w - grad D_l from one backward
+pass; (2) works across pairs instead.
 """
 
 import math
@@ -30,6 +41,7 @@ from trl_pruned_dpo.masks import (
     PruneMasks,
     common_prefix,
     draw_branches,
+    draw_masks,
     mask_generator,
     prefix_inclusion_prob,
     response_index,
@@ -80,15 +92,39 @@ def draw_shared_masks(
     return PruneMasks(keep, weights, executed, backprop, backprop.float() / branch_keep_prob, exact)
 
 
-class SharedMaskPrunedDPOTrainer(PrunedDPOTrainer):
-    """`PrunedDPOTrainer` drawing pair-shared position masks and prefix cuts (see the module docstring)."""
+def draw_balanced_branches(num_pairs: int, keep_prob: float, generator: torch.Generator) -> torch.Tensor:
+    """Like `masks.draw_branches(..., "paired")`, but the branch of each pair that is kept first is the chosen one
+    for a random half of the pairs and the rejected one for the other half (an odd pair out: a fair coin). Every
+    branch still has inclusion probability `keep_prob`."""
+    order = torch.randperm(num_pairs, generator=generator)
+    first_is_chosen = torch.zeros(num_pairs, dtype=torch.bool)
+    first_is_chosen[order[: num_pairs // 2]] = True
+    if num_pairs % 2:
+        first_is_chosen[order[-1]] = bool(torch.rand(1, generator=generator) < 0.5)
+    u = torch.rand(num_pairs, generator=generator)
+    if keep_prob >= 0.5:
+        first, second = torch.ones(num_pairs, dtype=torch.bool), u < 2 * keep_prob - 1
+    else:
+        first, second = u < 2 * keep_prob, torch.zeros(num_pairs, dtype=torch.bool)
+    chosen = torch.where(first_is_chosen, first, second)
+    rejected = torch.where(first_is_chosen, second, first)
+    return torch.cat([chosen, rejected])
+
+
+class PrototypePrunedDPOTrainer(PrunedDPOTrainer):
+    """`PrunedDPOTrainer` with the prototype mask laws of this module: `shared_masks` (1) and `balanced` (2)."""
+
+    shared_masks = False
+    balanced = False
 
     def _draw_masks(self, inputs) -> PruneMasks:
         step = self.state.global_step
         micro = self._mask_step[1] + 1 if self._mask_step[0] == step else 0
         self._mask_step = (step, micro)
         args = self.args
-        return draw_shared_masks(
+        generator = mask_generator(args.prune_seed, step, micro, self.accelerator.process_index)
+        draw = draw_shared_masks if self.shared_masks else draw_masks
+        masks = draw(
             inputs["input_ids"],
             inputs["completion_mask"],
             position_keep_prob=args.position_keep_prob,
@@ -97,8 +133,22 @@ class SharedMaskPrunedDPOTrainer(PrunedDPOTrainer):
             branch_keep_prob=args.branch_keep_prob,
             branch_sampling=args.branch_sampling,
             drop_common_prefix=args.prune_common_prefix,
-            generator=mask_generator(args.prune_seed, step, micro, self.accelerator.process_index),
+            generator=generator,
         )
+        if self.balanced and args.branch_keep_prob < 1:
+            if args.branch_sampling != "paired":
+                raise ValueError("balanced branch sampling is a variant of branch_sampling='paired'")
+            device = masks.backprop.device
+            backprop = draw_balanced_branches(masks.backprop.numel() // 2, args.branch_keep_prob, generator)
+            masks.backprop = backprop.to(device)
+            masks.branch_scale = masks.backprop.float() / args.branch_keep_prob
+        return masks
+
+
+def prototype_class(shared_masks: bool, balanced: bool, base=PrototypePrunedDPOTrainer):
+    """A `base` subclass with the given prototype options."""
+    return type(f"{base.__name__}_{int(shared_masks)}{int(balanced)}", (base,),
+                {"shared_masks": shared_masks, "balanced": balanced})
 
 
 def annealed(base: dict, fraction: float, horizon: int, step: int) -> dict:

@@ -6,8 +6,8 @@ the configuration that produced it is unchanged):
 1. the starting policy (sft.py; cached in the demo cache), and its held-out metrics at step 0;
 2. training runs: every setting x seed (train.py), stock first; ``runs/<setting>-s<seed>.json``;
 3. step timing, round-robin (gradients.step_times); ``timing.json``;
-4. gradient diagnostics at the starting policy and at stock's trained policy (gradients.diagnose);
-   ``gradients.json``;
+4. gradient diagnostics at the starting policy, at stock's trained policy, and there on "far" pairs
+   (gradients.diagnose); ``gradients-<state>.json``;
 5. the report: PNG curves and ``quality.md`` with the tables (report.py + the findings text kept in
    evaluation/findings.md).
 
@@ -43,7 +43,7 @@ class Profile:
     diag_settings: tuple = ()  # empty: settings.DIAGNOSED
     diag_batches: int = 4  # batches that get mask draws
     sgd_batches: int = 16  # batches whose exact gradients measure stock's minibatch noise
-    diag_draws: int = 12
+    diag_draws: int = 8
     timing_rounds: int = 6
     timing_steps: int = 3
     run: dict = field(default_factory=dict)  # RunConfig overrides
@@ -81,6 +81,16 @@ def _save(path: Path, data: dict):
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
+
+
+def _setting_key(setting) -> dict:
+    """What identifies a setting's results. Prototype options added after results were first cached are left out
+    at their default, so adding one does not invalidate those results."""
+    key = asdict(setting)
+    for late in ("balanced",):
+        if not key[late]:
+            del key[late]
+    return key
 
 
 def _commit() -> str:
@@ -150,7 +160,7 @@ class Study:
             for name in names or self.trained:
                 setting = SETTINGS[name]
                 path = self.out / "runs" / f"{name}-s{seed}.json"
-                fp = _fingerprint(self.base_fp, asdict(setting), seed)
+                fp = _fingerprint(self.base_fp, _setting_key(setting), seed)
                 if _load(path, fp):
                     continue
                 _log(f"train {name} (seed {seed}): {setting.label}")
@@ -177,26 +187,27 @@ class Study:
         _save(path, {"fingerprint": fp, "timing": result})
 
     def gradients(self):
+        """One cached file per policy state: gradients-start.json, gradients-trained.json, gradients-far.json."""
         from .gradients import diagnose
-        from .settings import SETTINGS
+        from .settings import FAR_DIAGNOSED, SETTINGS
+        from .tasks import far_pairs
 
-        path = self.out / "gradients.json"
-        fp = _fingerprint(self.base_fp, self.diagnosed, self.profile.diag_batches, self.profile.diag_draws,
-                          self.profile.sgd_batches)
-        if _load(path, fp):
-            return
         rows = self.splits["train"][: max(self.profile.sgd_batches, self.profile.diag_batches) * self.cfg.batch_size]
-        settings = [SETTINGS[n] for n in self.diagnosed]
-        result = {"fingerprint": fp}
         trained = self.out / "policies" / f"stock-s{self.profile.seeds[0]}"
-        states = [("start", self.policy())]
+        states = [("start", self.policy(), rows, self.diagnosed)]
         if (trained / "model.safetensors").is_file():
-            states.append(("trained", str(trained)))
-        for state, policy in states:
-            _log(f"gradient diagnostics at the {state} policy ({len(settings)} settings)")
-            result[state] = diagnose(settings, policy, self.policy(), rows, self.cfg, self.profile.diag_draws,
-                                     self.profile.diag_batches, log=_log)
-        _save(path, result)
+            far = [n for n in FAR_DIAGNOSED if n in self.diagnosed] or self.diagnosed[:2]
+            states += [("trained", str(trained), rows, self.diagnosed), ("far", str(trained), far_pairs(rows), far)]
+        for state, policy, state_rows, names in states:
+            path = self.out / f"gradients-{state}.json"
+            fp = _fingerprint(self.base_fp, names, self.profile.diag_batches, self.profile.diag_draws,
+                              self.profile.sgd_batches, state)
+            if _load(path, fp):
+                continue
+            _log(f"gradient diagnostics: {state} ({len(names)} settings)")
+            result = diagnose([SETTINGS[n] for n in names], policy, self.policy(), state_rows, self.cfg,
+                              self.profile.diag_draws, self.profile.diag_batches, log=_log)
+            _save(path, {"fingerprint": fp, "diagnostics": result})
 
     def report(self):
         from .write_doc import write

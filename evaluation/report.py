@@ -50,6 +50,14 @@ def interp(xs, ys, x) -> float:
     return ys[-1]
 
 
+def window(xs, ys, end, width, points=3) -> float:
+    """Mean of the curve at `points` evenly spaced positions over [end - width, end] (interpolated): the level of a
+    curve around `end`, less noisy than one evaluation of a model that moves from step to step."""
+    if points < 2 or width <= 0:
+        return interp(xs, ys, end)
+    return statistics.mean(interp(xs, ys, end - width * (1 - i / (points - 1))) for i in range(points))
+
+
 def curve(run, key, x="step"):
     points = [(r[x], r[key]) for r in run["curve"] if key in r]
     return [p[0] for p in points], [p[1] for p in points]
@@ -80,8 +88,11 @@ def equal_time_steps(name: str, ratio: float, steps: int) -> float:
     return float(k)
 
 
-def summarize(runs: dict, timing: dict, steps: int) -> dict:
-    """Per setting: metrics at equal steps and equal wall-clock, mean and CI over seeds, paired deltas to stock."""
+def summarize(runs: dict, timing: dict, steps: int, width: float = 0.0) -> dict:
+    """Per setting: metrics at equal steps and equal wall-clock, mean and CI over seeds, paired deltas to stock.
+
+    Accuracies are read as `window` means over the last `width` steps before the reading point (0: the point).
+    """
     stock_runs = {r["seed"]: r for r in runs.get("stock", [])}
     out = {}
     for name, seed_runs in runs.items():
@@ -99,10 +110,12 @@ def summarize(runs: dict, timing: dict, steps: int) -> dict:
             seed = run["seed"]
             stock = stock_runs.get(seed)
             stock_time = interp(*curve(stock, "time"), steps) if stock else float("nan")
+            time_width = width * stock_time / steps if stock else 0.0
             per_seed[seed] = {
-                "acc_steps": interp(xs, acc, steps),
-                "acc_time": interp(xs, acc, reach),
-                "acc_mtime": interp(tx, tacc, stock_time) if stock and tx[-1] >= stock_time else float("nan"),
+                "acc_steps": window(xs, acc, steps, width),
+                "acc_time": window(xs, acc, reach, width),
+                "acc_mtime": window(tx, tacc, stock_time, time_width) if stock and tx[-1] >= stock_time
+                else float("nan"),
                 "acc_final": acc[-1],
                 "margin_steps": interp(xs, margin, steps),
                 "gen_steps": interp(gx, gen, steps) if gx else float("nan"),
@@ -114,16 +127,16 @@ def summarize(runs: dict, timing: dict, steps: int) -> dict:
         for key in next(iter(per_seed.values())):
             row[key] = mean_ci([v[key] for v in per_seed.values()])
             if key.startswith("acc_") and stock_runs:
-                deltas = [v[key] - _stock_value(stock_runs, s, key, steps) for s, v in per_seed.items()
+                deltas = [v[key] - _stock_value(stock_runs, s, steps, width) for s, v in per_seed.items()
                           if s in stock_runs]
                 row["d_" + key] = mean_ci(deltas)
         out[name] = row
     return out
 
 
-def _stock_value(stock_runs, seed, key, steps):
+def _stock_value(stock_runs, seed, steps, width):
     xs, acc = curve(stock_runs[seed], "pref_acc")
-    return interp(xs, acc, steps)  # stock at N steps is stock at its own wall-clock by definition
+    return window(xs, acc, steps, width)  # stock at N steps is stock at its own wall-clock by definition
 
 
 def fmt(mean_half, pct=True, signed=False, digits=1, scale=None):
@@ -235,7 +248,7 @@ def plot_gradients(grads: dict, path: str, names: list[str]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    states = [s for s in ("start", "trained") if s in grads]
+    states = [s for s in ("start", "trained", "far") if s in grads]
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.32 * len(names) + 1.6), sharey=True)
     ys = list(range(len(names)))
     width = 0.8 / max(len(states), 1)

@@ -16,11 +16,12 @@ class Setting:
     pruning: dict = field(default_factory=dict)  # PrunedDPOConfig fields; empty + stock=True: TRL's DPOTrainer
     stock: bool = False
     shared_masks: bool = False  # prototype: one position mask / prefix cut per pair (prototypes.py)
+    balanced: bool = False  # prototype: half the pairs backpropagate chosen, half rejected (prototypes.py)
     anneal: float = 0.0  # prototype: fraction of training over which keep probabilities ramp to 1 (prototypes.py)
 
     @property
     def prototype(self) -> bool:
-        return self.shared_masks or self.anneal > 0
+        return self.shared_masks or self.balanced or self.anneal > 0
 
 
 CP = {"prune_common_prefix": True}
@@ -37,6 +38,7 @@ _ALL = [
     Setting("branch_ind_cp", "branch 0.5 independent + common prefix",
             {**BRANCH, **CP, "branch_sampling": "independent"}),
     Setting("branch75_cp", "branch 0.75 + common prefix", {"branch_keep_prob": 0.75, **CP}),
+    Setting("branch_cp_bal", "branch 0.5 + common prefix, balanced", {**BRANCH, **CP}, balanced=True),
     Setting("branch_cp_anneal", "branch 0.5 + common prefix, annealed to 1 (last 30%)", {**BRANCH, **CP}, anneal=0.3),
     Setting("position", "position 0.5", POSITION),
     Setting("position_cp", "position 0.5 + common prefix", {**POSITION, **CP}),
@@ -49,6 +51,11 @@ _ALL = [
             {**BRANCH, **POSITION, **PREFIX, **CP}, shared_masks=True),
     # Diagnostics-only grid.
     Setting("branch_ind", "branch 0.5 independent", {**BRANCH, "branch_sampling": "independent"}),
+    Setting("branch_bal", "branch 0.5, balanced", BRANCH, balanced=True),
+    Setting("branch75_cp_bal", "branch 0.75 + common prefix, balanced", {"branch_keep_prob": 0.75, **CP},
+            balanced=True),
+    Setting("combined_cp_shared_bal", "branch + position + prefix 0.5 + common prefix + shared masks + balanced",
+            {**BRANCH, **POSITION, **PREFIX, **CP}, shared_masks=True, balanced=True),
     Setting("branch75", "branch 0.75", {"branch_keep_prob": 0.75}),
     Setting("branch75_ind_cp", "branch 0.75 independent + common prefix",
             {"branch_keep_prob": 0.75, **CP, "branch_sampling": "independent"}),
@@ -74,4 +81,8 @@ QUICK_TRAINED = ["stock", "branch_cp", "position_cp_shared", "prefix"]
 # common-prefix cancellation), so they are timed, not trained; at equal wall-clock they read stock's curve.
 EXACT_BASELINES = ["pruned_off", "common_prefix"]
 DIAGNOSED = [s.name for s in _ALL if s.name not in ("stock", "pruned_off") and not s.anneal]
-QUICK_DIAGNOSED = ["common_prefix", "branch", "branch_cp", "position_cp", "position_cp_shared", "prefix"]
+# Diagnosed on far pairs too (tasks.far_pairs), to show where the near-copy noise comes from.
+FAR_DIAGNOSED = ["branch", "branch_ind", "branch_cp", "branch_ind_cp", "position", "position_cp", "position_cp_shared",
+                 "prefix", "combined_cp"]
+QUICK_DIAGNOSED = ["common_prefix", "branch", "branch_cp", "branch_cp_bal", "position_cp", "position_cp_shared",
+                   "prefix"]

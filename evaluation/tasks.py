@@ -106,6 +106,26 @@ def make_study_splits(n_sft: int, n_train: int, n_test: int, seed: int = 0, quic
     return splits
 
 
+def far_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
+    """The same prompts and chosen answers, each rejected answer replaced by an unrelated wrong one of the same size
+    (sort: other numbers, sorted; count: a run from another start): pairs that share little more than the prompt,
+    the opposite of the near-copies. Used only to contrast the gradient diagnostics."""
+    rng = random.Random(f"trl-pruned-dpo/quality/far/{seed}")
+    out = []
+    for row in rows:
+        answer = row["chosen"].split()
+        for _ in range(100):
+            if task_of(row["prompt"]) == "count":
+                start = rng.randrange(0, 100 - len(answer) + 1)
+                wrong = " " + " ".join(str(n) for n in range(start, start + len(answer)))
+            else:
+                wrong = " " + " ".join(map(str, sorted(rng.randrange(100) for _ in answer)))
+            if not is_correct(None, row["prompt"], wrong):
+                break
+        out.append({**row, "rejected": wrong})
+    return out
+
+
 def as_dataset(rows) -> Dataset:
     return Dataset.from_list(rows)
 

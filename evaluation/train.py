@@ -24,7 +24,7 @@ from trl import DPOConfig, DPOTrainer
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 from .evaluate import generation_accuracy, preference_metrics
-from .prototypes import AnnealKeepProbs, SharedMaskPrunedDPOTrainer
+from .prototypes import AnnealKeepProbs, prototype_class
 from .settings import Setting
 from .sft import load_policy
 
@@ -73,8 +73,8 @@ class PrunedTrainer(_Costed, PrunedDPOTrainer):
     pass
 
 
-class SharedMaskTrainer(_Costed, SharedMaskPrunedDPOTrainer):
-    pass
+def _prototype_trainer(setting: Setting):
+    return type("PrototypeTrainer", (_Costed, prototype_class(setting.shared_masks, setting.balanced)), {})
 
 
 class _StudyLogger(TrainerCallback):
@@ -122,7 +122,7 @@ def build_trainer(setting: Setting, policy_dir: str, train_ds, eval_ds, seed: in
         args, cls = DPOConfig(**common), StockTrainer
     else:
         args = PrunedDPOConfig(**common, **setting.pruning)
-        cls = SharedMaskTrainer if setting.shared_masks else PrunedTrainer
+        cls = _prototype_trainer(setting) if setting.shared_masks or setting.balanced else PrunedTrainer
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     return cls(model=load_policy(policy_dir), ref_model=load_policy(policy_dir), args=args, train_dataset=train_ds,
                eval_dataset=eval_ds, processing_class=tokenizer), tokenizer

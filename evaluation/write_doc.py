@@ -57,7 +57,11 @@ def write(study):
     if "stock" not in runs:
         raise SystemExit(f"No stock runs under {out / 'runs'}: run the training stage first.")
     timing = json.loads((out / "timing.json").read_text())["timing"] if (out / "timing.json").is_file() else {}
-    grads = json.loads((out / "gradients.json").read_text()) if (out / "gradients.json").is_file() else {}
+    grads = {}
+    for state in ("start", "trained", "far"):
+        path = out / f"gradients-{state}.json"
+        if path.is_file():
+            grads[state] = json.loads(path.read_text())["diagnostics"]
     start = json.loads((out / "start.json").read_text())["metrics"] if (out / "start.json").is_file() else {}
     steps = cfg.steps
     # Exact settings are timed, not trained: their curve is stock's (see settings.EXACT_BASELINES).
@@ -65,7 +69,8 @@ def write(study):
     for name in exact:
         runs[name] = [dict(r, setting=name) for r in runs["stock"]]
     names = ["stock"] + exact + [n for n in names if n != "stock"]
-    summary = summarize(runs, timing, steps)
+    width = 2 * cfg.eval_every  # the level over the last three evaluations before a reading point
+    summary = summarize(runs, timing, steps, width)
 
     img = docs / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -73,7 +78,7 @@ def write(study):
     trained_runs = {n: r for n, r in runs.items() if n not in exact}
     plot_curves(trained_runs, start, str(img / files["steps"]), str(img / files["time"]),
                 str(img / files["margin_gen"]), steps)
-    diag_names = [n for n in study.diagnosed if any(n in grads.get(s, {}) for s in ("start", "trained"))]
+    diag_names = [n for n in study.diagnosed if any(n in grads.get(s, {}) for s in ("start", "trained", "far"))]
     if diag_names:
         plot_gradients(grads, str(img / files["gradients"]), diag_names)
 
@@ -103,7 +108,9 @@ def write(study):
     w("## Headline\n")
     w(f"Held-out implicit-reward preference accuracy (%, mean ± 95% t-interval over {len(seeds)} seeds) at equal "
       f"steps (N = {steps}) and at equal wall-clock (the steps a setting does in stock's time for N steps, from the "
-      "round-robin step timing); Δ is paired by seed against stock. Gradient columns: the "
+      "round-robin step timing); Δ is paired by seed against stock. Each reading is the mean of the curve at three "
+      f"points spanning the last {width} steps before it (e.g. steps {steps - width}, {steps - width // 2} and "
+      f"{steps} for @N): one evaluation of a policy that moves every step is noisier than the level it sits at. Gradient columns: the "
       f"{state} policy, fixed batches of {cfg.batch_size} pairs (see [Gradient diagnostics](#gradient-diagnostics)).\n")
     w("| setting | pref acc @N | Δ @N | verdict @N | step time (× stock) | pref acc @ equal time | Δ @ equal time | "
       "verdict @ equal time | gen acc @N (right prefix) | margin @N | grad cos | noise / SGD noise |")
@@ -153,10 +160,12 @@ def write(study):
       "*cost*: work per step relative to stock (token units: forward 1, backward 2, reference forward 1). "
       "`start` is the starting policy (= the reference, so every log-ratio is 0 there); `trained` is stock at the "
       "end of its "
-      f"run ({cfg.max_steps(SETTINGS['stock'])} steps, seed {profile.seeds[0]}).\n")
+      f"run ({cfg.max_steps(SETTINGS['stock'])} steps, seed {profile.seeds[0]}); `far` is that policy on the same "
+      "prompts with every rejected answer replaced by an unrelated wrong one (evaluation/tasks.py `far_pairs`: "
+      "pairs that share little beyond the prompt), diagnostics only.\n")
     if diag_names:
         w(f"![gradient diagnostics](img/{files['gradients']})\n")
-        states = [s for s in ("start", "trained") if s in grads]
+        states = [s for s in ("start", "trained", "far") if s in grads]
         header = "| setting | " + " | ".join(
             f"{s}: cos | {s}: rel. MSE | {s}: bias | {s}: noise/SGD | {s}: eff. batch" for s in states) + " | cost |"
         w(header)

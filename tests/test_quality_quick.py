@@ -41,10 +41,11 @@ def test_quality_quick_smoke(tmp_path):
     # Timing and gradient diagnostics.
     timing = json.loads((out / "timing.json").read_text())["timing"]
     assert timing["stock"]["ratio"] == 1.0 and timing["branch_cp"]["step_s"] > 0
-    grads = json.loads((out / "gradients.json").read_text())
-    for state in ("start", "trained"):
+    for state in ("start", "trained", "far"):
+        grads = json.loads((out / f"gradients-{state}.json").read_text())["diagnostics"]
+        assert grads["_meta"]["sgd_noise"] > 0
         for name in ("branch_cp", "position_cp_shared"):
-            entry = grads[state][name]
+            entry = grads[name]
             assert -1.0 <= entry["cos"] <= 1.0 and entry["rel_mse"] >= 0.0 and entry["cost"] > 0.0
 
     # The report: markdown with the headline table and the plots it links, all real PNGs.
@@ -57,3 +58,40 @@ def test_quality_quick_smoke(tmp_path):
         assert png.read_bytes()[:8] == PNG_MAGIC
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) >= {"stock", "branch_cp"}
+
+
+def test_pair_shared_masks_keep_the_trainer_marginals():
+    """The prototype estimator (evaluation/prototypes.py) changes only the joint law of the masks: for every row,
+    E[weight * kept] = 1 on each response position (unbiased sums), as for the trainer's masks; and within a pair the
+    two rows are kept together at every column where both have a response token (no prefix cut involved)."""
+    import torch
+
+    from evaluation.prototypes import draw_shared_masks
+
+    # Two pairs, [chosen_0, chosen_1, rejected_0, rejected_1]; response lengths 6/4 and 5/4, prompt of 2 tokens.
+    lengths = [6, 4, 5, 4]
+    completion_mask = torch.zeros(4, 9, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        completion_mask[row, 2 : 2 + n] = 1
+    input_ids = torch.arange(36).view(4, 9) % 7
+    response = completion_mask[:, 1:].bool()
+    generator = torch.Generator().manual_seed(0)
+    total = torch.zeros(response.shape, dtype=torch.float64)
+    draws = 4000
+    together = True
+    for _ in range(draws):
+        masks = draw_shared_masks(
+            input_ids, completion_mask, position_keep_prob=0.5, prefix_prune_prob=0.5, prefix_min_ratio=0.5,
+            branch_keep_prob=0.5, branch_sampling="paired", drop_common_prefix=False, generator=generator,
+        )
+        total += masks.weights.double() * masks.scored
+        both = response[:2] & response[2:]
+        positions_only = draw_shared_masks(
+            input_ids, completion_mask, position_keep_prob=0.5, prefix_prune_prob=0.0, prefix_min_ratio=0.5,
+            branch_keep_prob=1.0, branch_sampling="paired", drop_common_prefix=False, generator=generator,
+        ).scored
+        together &= bool(((positions_only[:2] == positions_only[2:]) | ~both).all())
+    mean = total / draws
+    assert together
+    assert torch.allclose(mean[response], torch.ones_like(mean[response]), atol=0.12)
+    assert float(mean[~response].abs().max()) == 0.0
