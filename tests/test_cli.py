@@ -229,6 +229,15 @@ def test_invalid_probability(capsys, tmp_path, offline, key, value):
     assert f"`{key}` must lie in" in line
 
 
+def test_bf16_on_cpu_names_the_default(capsys, tmp_path, offline):
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    if is_torch_bf16_gpu_available():
+        pytest.skip("bf16 is available here")
+    line = bad_run(capsys, tmp_path, config={"bf16": True})
+    assert "--bf16 false" in line
+
+
 def test_missing_dataset_column(capsys, tmp_path, offline):
     data = tmp_path / "data"
     data.mkdir()

@@ -122,8 +122,10 @@ def parse(argv: list[str]):
         parsed, (config_remaining, cli_remaining) = [None] * 4, _remaining_strings(parser, argv)
         if not (_split_remaining(config_remaining + cli_remaining, _accelerate_options())[0] and
                 not _under_launcher()):
-            raise InputError(f"invalid configuration: {' '.join(str(error).split())} Fix it in the YAML or on the "
-                             "command line.") from None
+            message = " ".join(str(error).split())
+            if "bf16" in message:  # transformers suggests `use_cpu`; the usual cause is DPOConfig's bf16=True default
+                message += " (DPOConfig defaults to bf16=True: without a bf16 device pass `--bf16 false`.)"
+            raise InputError(f"invalid configuration: {message} Fix it in the YAML or on the command line.") from None
     known = _accelerate_options()
     config_launch, config_unknown = _split_remaining(config_remaining, known)
     cli_launch, cli_unknown = _split_remaining(cli_remaining, known)
