@@ -1,7 +1,19 @@
-"""trl-pruned-dpo: stochastic pruning of the DPO computation graph, as a drop-in `DPOTrainer` for TRL 1.x."""
+"""trl-pruned-dpo: stochastic pruning of the DPO computation graph, as a drop-in `DPOTrainer` for TRL 1.x.
 
-from .config import PrunedDPOConfig
-from .trainer import PrunedDPOTrainer
+The public names load lazily, so that the command line can reject bad input before importing torch and TRL.
+"""
 
 __all__ = ["PrunedDPOConfig", "PrunedDPOTrainer"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "PrunedDPOConfig":
+        from .config import PrunedDPOConfig
+
+        return PrunedDPOConfig
+    if name == "PrunedDPOTrainer":
+        from .trainer import PrunedDPOTrainer
+
+        return PrunedDPOTrainer
+    raise AttributeError(f"module 'trl_pruned_dpo' has no attribute {name!r}")
