@@ -25,8 +25,12 @@ def plot(rows: list[dict], meta: dict, path: str):
     scaling = [r for r in rows if r["kind"] == "scaling"]
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     groups = list(dict.fromkeys(_group_key(r) for r in main))
-    panels = 2 + bool(scaling)
-    fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6))
+    vocabs = sorted({r["vocab"] for r in scaling})
+    if vocabs:
+        fig, grid = plt.subplots(2, 2, figsize=(14, 10))
+        axes = [grid[0][0], grid[0][1], grid[1][0], grid[1][1]]
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(12.4, 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     width = 0.8 / max(len(groups), 1)
 
@@ -65,25 +69,27 @@ def plot(rows: list[dict], meta: dict, path: str):
     if any_memory:
         ax.legend(fontsize=8)
 
-    if scaling:
-        ax = axes[2]
+    for ax, vocab in zip(axes[2:], vocabs[:2]):
         for si, setting in enumerate(settings):
-            for vocab, style in zip(sorted({r["vocab"] for r in scaling}), ("-", "--", ":")):
-                pts = sorted((r["response_len"], r["speedup"], r["flop_limit"]) for r in scaling
-                             if r["setting"] == setting and r["vocab"] == vocab)
-                if not pts:
-                    continue
-                xs, ys, lims = zip(*pts)
-                ax.plot(xs, ys, style, marker="o", color=colors[si % len(colors)],
-                        label=f"{setting}, V={vocab // 1024}k")
-                ax.plot(xs, lims, "_", color=colors[si % len(colors)], markersize=14, mew=2)
+            pts = sorted((r["response_len"], r["speedup"], r["flop_limit"]) for r in scaling
+                         if r["setting"] == setting and r["vocab"] == vocab)
+            if not pts:
+                continue
+            xs, ys, lims = zip(*pts)
+            color = colors[si % len(colors)]
+            ax.plot(xs, ys, "-", marker="o", color=color, label=setting)
+            ax.plot(xs, lims, "_", color=color, markersize=16, mew=2)
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["response_len"] for r in scaling}), [str(x) for x in
+                                                                    sorted({r["response_len"] for r in scaling})])
         ax.set_xlabel("response length (tokens)")
-        ax.set_ylabel("speedup (lines) and FLOP limit (ticks)")
+        ax.set_ylabel("speedup over stock (lines); FLOP limit (ticks)")
         r0 = scaling[0]
-        ax.set_title(f"Scaling ({r0['reference']} ref, ckpt {'on' if r0['checkpointing'] else 'off'}, "
-                     f"B={r0['batch_pairs']})")
-        ax.legend(fontsize=7, ncol=2)
+        share = next(r["head_share"] for r in scaling if r["vocab"] == vocab)
+        ax.set_title(f"Scaling, vocab {vocab // 1024}k (LM head ~{share:.0%} of FLOPs): {r0['reference']} ref, "
+                     f"ckpt {'on' if r0['checkpointing'] else 'off'}, {r0['batch_pairs']} pair/step", fontsize=10)
+        ax.legend(fontsize=8, ncol=2)
 
     m = meta.get("machine", {})
     fig.suptitle(f"trl-pruned-dpo vs TRL {m.get('trl', '?')} DPOTrainer -- {m.get('device', '?')}: "

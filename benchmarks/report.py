@@ -1,0 +1,166 @@
+"""Markdown tables and the target check of a step_time results file (what docs/benchmarks.md shows).
+
+    python -m benchmarks.report benchmarks/results/full_cpu/step_time.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _f(value, fmt):
+    return "–" if value is None else fmt.format(value)
+
+
+def main_table(rows: list[dict]) -> str:
+    head = (
+        "| reference | ckpt | setting | stock s | pruned s | speedup | FLOP limit | eff. | vs none | limit | eff. "
+        "| tokens exec. | tokens needed | head positions | branches bp | work. mem stock | pruned | ratio |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(
+            f"| {r['reference']} | {'on' if r['checkpointing'] else 'off'} | {r['setting']} "
+            f"| {r['stock_step_s']:.3f} | {r['pruned_step_s']:.3f} | **{r['speedup']:.2f}x** | {r['flop_limit']:.2f}x "
+            f"| {r['efficiency']:.2f} | {_f(r.get('speedup_vs_none'), '{:.2f}x')} | {_f(r.get('limit_vs_none'), '{:.2f}x')} "
+            f"| {_f(r.get('efficiency_vs_none'), '{:.2f}')} | {r['tokens_executed']:.2f} | {r['tokens_needed']:.2f} "
+            f"| {r['head_positions_vs_stock']:.2f} | {r['branches_backpropagated']:.2f} "
+            f"| {_f(r.get('stock_working_mb'), '{:.0f} MiB')} | {_f(r.get('pruned_working_mb'), '{:.0f} MiB')} "
+            f"| {_f(r.get('memory_ratio'), '{:.2f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def scaling_table(rows: list[dict]) -> str:
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    cells = sorted({(r["vocab"], r["response_len"]) for r in rows})
+    head = "| vocab | response | head share | stock s | " + " | ".join(settings) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1),
+             "| | | | | " + " | ".join("speedup / limit (vs none)" for _ in settings) + " |"]
+    for vocab, resp in cells:
+        group = {r["setting"]: r for r in rows if r["vocab"] == vocab and r["response_len"] == resp}
+        any_row = next(iter(group.values()))
+        parts = []
+        for s in settings:
+            r = group.get(s)
+            if r is None:
+                parts.append("–")
+                continue
+            vs = f" ({r['speedup_vs_none']:.2f}x)" if r.get("speedup_vs_none") else ""
+            parts.append(f"{r['speedup']:.2f}x / {r['flop_limit']:.2f}x{vs}")
+        lines.append(
+            f"| {vocab // 1024}k | {resp} | {any_row['head_share']:.0%} | {any_row['stock_step_s']:.2f} | "
+            + " | ".join(parts) + " |"
+        )
+    return "\n".join(lines)
+
+
+def _vs(r: dict) -> str:
+    text = f"{r['speedup']:.2f}x (FLOP limit {r['flop_limit']:.2f}x)"
+    if r.get("speedup_vs_none"):
+        text += f"; pruning alone (vs none) {r['speedup_vs_none']:.2f}x of {r['limit_vs_none']:.2f}x"
+    return text
+
+
+def cost_lines(rows: list[dict]) -> str:
+    """Per group, a least-squares line through the pruned settings: step time = fixed + GFLOP / rate.
+
+    A trainer that wasted time in some settings would fall off its line; one with per-step overhead (mask drawing,
+    indexing, Python) would show it in `fixed`. Stock's step is set against the same line: `stock / line` > 1 means
+    stock's code runs the FLOP model's work slower than the pruned trainer's does (on CPU: its uncompacted head).
+    """
+    import statistics
+
+    head = "| group | settings fitted | rate (GFLOP/s) | fixed s/step | R² | stock s | line at stock's GFLOP | stock / line |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    groups = {}
+    for r in rows:
+        key = (r["kind"], r["reference"], r["checkpointing"], r["vocab"], r["response_len"], r["batch_pairs"])
+        groups.setdefault(key, []).append(r)
+    for (kind, ref, ckpt, vocab, resp, pairs), group in groups.items():
+        if len(group) < 3:
+            continue
+        xs = [r["pruned_gflop"] for r in group]
+        ys = [r["pruned_step_s"] for r in group]
+        slope, fixed = statistics.linear_regression(xs, ys)
+        mean_y = statistics.fmean(ys)
+        ss_res = sum((y - (fixed + slope * x)) ** 2 for x, y in zip(xs, ys))
+        ss_tot = sum((y - mean_y) ** 2 for y in ys)
+        r2 = 1 - ss_res / ss_tot if ss_tot else float("nan")
+        stock = group[0]
+        at_stock = fixed + slope * stock["stock_gflop"]
+        lines.append(
+            f"| {kind} V={vocab // 1024}k R={resp} B={pairs}, {ref} ref, ckpt {'on' if ckpt else 'off'} | {len(group)} "
+            f"| {1 / slope:.0f} | {fixed:+.3f} | {r2:.3f} | {stock['stock_step_s']:.3f} | {at_stock:.3f} "
+            f"| {stock['stock_step_s'] / at_stock:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
+    """The issue's targets, checked on the main grid (checkpointing on unless stated)."""
+    main = [r for r in rows if r["kind"] == "main"]
+
+    def get(setting, reference, ckpt=True):
+        return next((r for r in main if r["setting"] == setting and r["reference"] == reference
+                     and r["checkpointing"] == ckpt), None)
+
+    out = []
+    pruned = [r for r in main if r["setting"] != "none"]
+    out.append(("every setting: efficiency >= 0.9 of its FLOP limit", all(r["efficiency"] >= 0.9 for r in pruned),
+                f"min {min(r['efficiency'] for r in pruned):.2f}"))
+    against_none = [r for r in pruned if r.get("efficiency_vs_none") is not None]
+    if against_none:
+        worst = min(against_none, key=lambda r: r["efficiency_vs_none"])
+        out.append(("pruning alone (vs none): efficiency >= 0.9 of its FLOP limit",
+                    worst["efficiency_vs_none"] >= 0.9,
+                    f"min {worst['efficiency_vs_none']:.2f} ({worst['setting']}, {worst['reference']} ref, "
+                    f"ckpt {'on' if worst['checkpointing'] else 'off'})"))
+    r = get("branch", "live")
+    if r:
+        out.append(("branch only, live ref, ckpt on: >= 1.40x", r["speedup"] >= 1.40,
+                    _vs(r)))
+    r = get("branch", "precomputed")
+    if r:
+        out.append(("branch only, precomputed ref: >= 1.5x", r["speedup"] >= 1.5,
+                    _vs(r)))
+    r = get("combined", "precomputed")
+    if r:
+        mem = r.get("memory_ratio")
+        out.append(("all combined, precomputed: >= 2.0x and working memory >= 40% lower",
+                    r["speedup"] >= 2.0 and mem is not None and mem <= 0.6,
+                    f"{r['speedup']:.2f}x, working memory x{_f(mem, '{:.2f}')}"))
+    r = get("position", "live")
+    if r:
+        mem = r.get("memory_ratio")
+        out.append(("position only: LM-head work and memory down ~half",
+                    r["positions_scored"] <= 0.55 and mem is not None and mem <= 0.6,
+                    f"{r['positions_scored']:.2f} of response positions scored ({r['head_positions_vs_stock']:.2f} "
+                    f"of stock's CPU head positions), working memory x{_f(mem, '{:.2f}')}"))
+    r = get("prefix", "live")
+    if r:
+        ok = r["tokens_executed"] <= r["tokens_needed"] + 0.03
+        out.append(("prefix only: executed tokens down by the expected fraction", ok,
+                    f"executed {r['tokens_executed']:.2f} of stock's tokens, needed {r['tokens_needed']:.2f}"))
+    return out
+
+
+def render(data: dict) -> str:
+    rows = data["results"]
+    parts = []
+    main = [r for r in rows if r["kind"] == "main"]
+    scaling = [r for r in rows if r["kind"] == "scaling"]
+    if main:
+        parts += ["### Main grid", "", main_table(main), ""]
+    if scaling:
+        parts += ["### Scaling", "", scaling_table(scaling), ""]
+    parts += ["### Cost lines of the pruned trainer", "", cost_lines(rows), ""]
+    parts += ["### Targets", ""]
+    parts += [f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in targets(rows)]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(render(json.load(f)))
