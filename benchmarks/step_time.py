@@ -1,8 +1,11 @@
 """Step time and peak memory: stock TRL `DPOTrainer` against `PrunedDPOTrainer`, with the FLOP limit of each ratio.
 
-    python -m benchmarks.step_time            # --quick (default): the main grid, a few minutes on 2 CPU cores
-    python -m benchmarks.step_time --full     # + more rounds, memory for every cell, response-length/vocab scaling
+    python -m benchmarks.step_time            # --quick (default): checkpointing on, both reference modes, memory
+    python -m benchmarks.step_time --full     # + checkpointing off, 10 rounds, response-length x vocabulary scaling
     python -m benchmarks.step_time --smoke    # tiniest mode (CI): checks the harness, numbers mean nothing
+    python -m benchmarks.step_time --threads 1 --clock cpu   # on a machine shared with other jobs
+
+Results (JSON, CSV, PNG) go to benchmarks/results/<mode>_<device>/; docs/benchmarks.md shows and explains them.
 
 A *group* is one workload (model shape, vocabulary, lengths, batch) with one reference mode (live reference model, or
 `precompute_ref_log_probs=True`) and gradient checkpointing on or off. Inside a group every trainer is built on an
