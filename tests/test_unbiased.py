@@ -89,7 +89,7 @@ def test_negative_control_catches_a_missing_prefix_correction(make, monkeypatch)
 
     monkeypatch.setattr(trainer_module, "draw_masks", wrong_weights)
     samples = torch.stack([log_ratio_sums(trainer, batch) for _ in range(DRAWS)])
-    assert max_z(samples, exact) > 8
+    assert max_z(samples, exact) > Z_LIMIT  # the check that passes for the right weight fails here
 
 
 def test_common_prefix_changes_no_margin(make):
@@ -125,4 +125,4 @@ def test_branch_gradient_is_unbiased(make, sampling):
 def test_negative_control_catches_a_missing_branch_scale(make, monkeypatch):
     trainer, batch = make(branch_keep_prob=0.5)
     monkeypatch.setattr(trainer_module, "scale_branch_gradient", lambda values, scale: values)
-    assert gradient_z(trainer, batch, GRADIENT_DRAWS) > 8
+    assert gradient_z(trainer, batch, GRADIENT_DRAWS) > 5.0  # the same check fails

