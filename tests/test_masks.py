@@ -70,6 +70,14 @@ def test_position_frequencies():
     assert (kept.sum(0)[~response] == 0).all()
 
 
+def test_position_masks_are_shared_within_a_pair():
+    """Common random numbers: aligned positions of chosen and rejected are kept together (same marginal law)."""
+    response = response_of([6, 9, 9, 4])  # pairs (row 0, row 2) and (row 1, row 3)
+    kept = draw_positions(response, 0.5, mask_generator(0, 0, 0, 0))
+    both = response[:2] & response[2:]
+    assert torch.equal(kept[:2] & both, kept[2:] & both)
+
+
 @pytest.mark.parametrize("p", [0.25, 0.5, 0.8])
 @pytest.mark.parametrize("sampling", ["paired", "independent"])
 def test_branch_inclusion_probability(p, sampling):

@@ -63,9 +63,15 @@ def draw_prefix_keep(
 
 
 def draw_positions(response: torch.Tensor, keep_prob: float, generator: torch.Generator) -> torch.Tensor:
-    """Boolean (rows, cols): m_t ~ Bernoulli(keep_prob) on response positions (Eq. 1)."""
-    m = torch.rand(response.shape, generator=generator) < keep_prob
-    return m.to(response.device) & response.bool()
+    """Boolean (rows, cols): m_t ~ Bernoulli(keep_prob) on response positions (Eq. 1), one draw per pair.
+
+    The chosen and the rejected row of a pair share their draws position by position (their responses start at the
+    same column): each row's mask has exactly the law of Eq. 1, but aligned tokens of the two branches, whose
+    log-ratios nearly agree on near-copy pairs, are kept or dropped together, so their noise cancels in D^_w - D^_l.
+    """
+    pairs = response.size(0) // 2
+    u = torch.rand((pairs, response.size(1)), generator=generator)
+    return torch.cat([u, u]).lt(keep_prob).to(response.device) & response.bool()
 
 
 def draw_branches(num_pairs: int, keep_prob: float, sampling: str, generator: torch.Generator) -> torch.Tensor:
