@@ -43,8 +43,8 @@ def _trainer(setting: Setting, model, ref_model, tokenizer, train_ds, cfg, outpu
     if setting.stock:
         return DPOTrainer(model=model, ref_model=ref_model, args=DPOConfig(**common), train_dataset=train_ds,
                           processing_class=tokenizer)
-    cls = prototype_class(setting.shared_masks, setting.balanced) if setting.shared_masks or setting.balanced \
-        else PrunedDPOTrainer
+    prototype = setting.mask_law != "trainer" or setting.balanced
+    cls = prototype_class(setting.mask_law, setting.balanced) if prototype else PrunedDPOTrainer
     return cls(model=model, ref_model=ref_model, args=PrunedDPOConfig(**common, **setting.pruning),
                train_dataset=train_ds, processing_class=tokenizer)
 
@@ -74,10 +74,11 @@ def _gradient(trainer, batch, step: int) -> tuple[torch.Tensor, int]:
 
 
 def diagnose(settings: list[Setting], policy_dir: str, reference_dir: str, rows, cfg, draws: int, batches: int,
-             log=print) -> dict:
+             log=print, on_result=None) -> dict:
     """Diagnostics of every setting at the policy in `policy_dir` (reference from `reference_dir`). `rows` are split
     into consecutive batches of `cfg.batch_size` pairs: all of them measure stock's minibatch noise, the first
-    `batches` get `draws` mask draws per setting. Returns {setting name: metrics}."""
+    `batches` get `draws` mask draws per setting. Returns {setting name: metrics} (and "_meta"); `on_result` is
+    called with the results so far after each setting (to save progress)."""
     from datasets import Dataset
 
     from .sft import load_policy
@@ -125,6 +126,8 @@ def diagnose(settings: list[Setting], policy_dir: str, reference_dir: str, rows,
                 "cost": statistics.mean(costs),
             }
             r = results[setting.name]
+            if on_result is not None:
+                on_result(results)
             log(f"    {setting.name:22s} cos {r['cos']:.3f}  rel_mse {r['rel_mse']:.3f}  bias {r['rel_bias']:+.4f}  "
                 f"noise/sgd {r['noise_vs_sgd']:.2f}  cost {r['cost']:.2f}  ({time.perf_counter() - started:.0f}s)")
     return results

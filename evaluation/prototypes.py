@@ -1,7 +1,7 @@
 """Estimator variants measured by the study but not (yet) in the trainer: proposals, with their evidence in
 docs/quality.md. They subclass or drive `PrunedDPOTrainer` from outside and do not touch its code.
 
-1. Pair-shared masks (`SharedMaskPrunedDPOTrainer`): common random numbers across a pair. The position mask is drawn
+1. Pair-shared masks (mask law "pair"): common random numbers across a pair. The position mask is drawn
    once per pair over response offsets and applied to both the chosen and the rejected row, and the prefix cut uses
    the same coin and the same uniform for both rows. Each row's masks keep exactly the marginal law of
    `masks.draw_masks` (Bernoulli(p_pos) per position, the same prefix inclusion probabilities q_t), so each D^_b is
@@ -10,7 +10,9 @@ docs/quality.md. They subclass or drive `PrunedDPOTrainer` from outside and do n
    D^_w - D^_l, as they do in D_w - D_l), and after the planted mistake the aligned tokens of the near-copy, whose
    log-ratios and gradients nearly agree, are kept together too. Variance of the difference falls; the cost is the
    same (shared METHOD.md "Exact savings": "drawing the same mask for both branches on their common prefix has the same
-   effect", here extended past the prefix).
+   effect", here extended past the prefix). The trainer adopted it for position masks in e6821e9, and draws one prefix
+   cut per micro-batch since 6e59660 (shared within pairs too). Mask law "row" keeps the trainer's original law (every
+   row on its own) so the comparison stays reproducible.
 
 2. Balanced branch sampling (`balanced=True`): paired branch sampling at p = 1/2 backpropagates one branch per
    pair, the chosen one or the rejected one by a fair coin per pair. Balanced draws a random half of the pairs of
@@ -31,6 +33,7 @@ branches' *parameter* gradients, and no joint law of one pair's masks recovers g
 pass; (2) works across pairs instead.
 """
 
+import functools
 import math
 
 import torch
@@ -49,10 +52,16 @@ from trl_pruned_dpo.masks import (
 )
 
 
-def draw_shared_masks(
+def draw_shared_masks(input_ids: torch.Tensor, completion_mask: torch.Tensor, **kwargs) -> PruneMasks:
+    """`masks.draw_masks` with one position mask and one prefix draw per pair (rows are [chosen; rejected])."""
+    return draw_law_masks(input_ids, completion_mask, law="pair", **kwargs)
+
+
+def draw_law_masks(
     input_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     *,
+    law: str,
     position_keep_prob: float,
     prefix_prune_prob: float,
     prefix_min_ratio: float,
@@ -61,7 +70,12 @@ def draw_shared_masks(
     drop_common_prefix: bool,
     generator: torch.Generator,
 ) -> PruneMasks:
-    """`masks.draw_masks` with one position mask and one prefix draw per pair (rows are [chosen; rejected])."""
+    """The masks of `masks.draw_masks` under a fixed joint law, implemented here so that it does not move when the
+    trainer's does: ``"pair"``, one position draw per pair and column and one prefix coin and uniform per pair;
+    ``"row"``, every row on its own (the trainer's law before commits 6e59660 and e6821e9). Every row has the same
+    marginal law under both."""
+    if law not in ("pair", "row"):
+        raise ValueError(f"unknown mask law {law!r}")
     response = completion_mask[:, 1:].bool()
     rows, cols = response.shape
     pairs, device = rows // 2, response.device
@@ -72,15 +86,18 @@ def draw_shared_masks(
         t = response_index(response).cpu()
         lengths = response.sum(dim=1).cpu().long()
         k0 = shortest_prefix(lengths, prefix_min_ratio)
-        cut = (torch.rand(pairs, generator=generator) < prefix_prune_prob).repeat(2)
-        u = torch.rand(pairs, generator=generator).repeat(2)
+        draws = pairs if law == "pair" else rows
+        cut = torch.rand(draws, generator=generator) < prefix_prune_prob
+        u = torch.rand(draws, generator=generator)
+        if law == "pair":
+            cut, u = cut.repeat(2), u.repeat(2)
         uniform_k = k0 + torch.floor(u * (lengths - k0 + 1).double()).long().minimum(lengths - k0)
         k = torch.where(cut, uniform_k, lengths)
         keep &= ((t > 0) & (t <= k.unsqueeze(1))).to(device)
         q = prefix_inclusion_prob(response, prefix_prune_prob, prefix_min_ratio)
     if position_keep_prob < 1:
-        shared = torch.rand((pairs, cols), generator=generator) < position_keep_prob
-        keep &= shared.repeat(2, 1).to(device) & response
+        draws = torch.rand((pairs if law == "pair" else rows, cols), generator=generator) < position_keep_prob
+        keep &= (draws.repeat(2, 1) if law == "pair" else draws).to(device) & response
     inclusion = q * position_keep_prob
     weights = torch.where(keep, 1.0 / inclusion.clamp(min=1e-12), torch.zeros_like(inclusion)).float()
     index = torch.arange(1, cols + 1, device=device)
@@ -112,9 +129,10 @@ def draw_balanced_branches(num_pairs: int, keep_prob: float, generator: torch.Ge
 
 
 class PrototypePrunedDPOTrainer(PrunedDPOTrainer):
-    """`PrunedDPOTrainer` with the prototype mask laws of this module: `shared_masks` (1) and `balanced` (2)."""
+    """`PrunedDPOTrainer` with the prototype mask laws of this module: `mask_law` "pair" (1) or "row" (the trainer's
+    original law, kept for comparison), or "trainer" (whatever masks.draw_masks does now); and `balanced` (2)."""
 
-    shared_masks = False
+    mask_law = "trainer"
     balanced = False
 
     def _draw_masks(self, inputs) -> PruneMasks:
@@ -123,7 +141,7 @@ class PrototypePrunedDPOTrainer(PrunedDPOTrainer):
         self._mask_step = (step, micro)
         args = self.args
         generator = mask_generator(args.prune_seed, step, micro, self.accelerator.process_index)
-        draw = draw_shared_masks if self.shared_masks else draw_masks
+        draw = draw_masks if self.mask_law == "trainer" else functools.partial(draw_law_masks, law=self.mask_law)
         masks = draw(
             inputs["input_ids"],
             inputs["completion_mask"],
@@ -145,10 +163,9 @@ class PrototypePrunedDPOTrainer(PrunedDPOTrainer):
         return masks
 
 
-def prototype_class(shared_masks: bool, balanced: bool, base=PrototypePrunedDPOTrainer):
+def prototype_class(mask_law: str, balanced: bool, base=PrototypePrunedDPOTrainer):
     """A `base` subclass with the given prototype options."""
-    return type(f"{base.__name__}_{int(shared_masks)}{int(balanced)}", (base,),
-                {"shared_masks": shared_masks, "balanced": balanced})
+    return type(f"{base.__name__}_{mask_law}_{int(balanced)}", (base,), {"mask_law": mask_law, "balanced": balanced})
 
 
 def annealed(base: dict, fraction: float, horizon: int, step: int) -> dict:

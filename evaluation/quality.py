@@ -38,14 +38,14 @@ class Profile:
     n_train: int = 2048
     n_test: int = 128  # held-out pairs for the preference metrics
     n_gen: int = 48  # held-out prompts for generation accuracy (the first n_gen of the test pairs)
-    seeds: tuple = (0, 1, 2)
+    seeds: tuple = (0, 1, 2, 3, 4)
     settings: tuple = ()  # empty: settings.TRAINED
     diag_settings: tuple = ()  # empty: settings.DIAGNOSED
     diag_batches: int = 4  # batches that get mask draws
     sgd_batches: int = 16  # batches whose exact gradients measure stock's minibatch noise
     diag_draws: int = 8
-    timing_rounds: int = 6
-    timing_steps: int = 3
+    timing_rounds: int = 10
+    timing_steps: int = 4
     run: dict = field(default_factory=dict)  # RunConfig overrides
 
 
@@ -55,7 +55,7 @@ QUICK = Profile(quick=True, n_sft=4096, sft_steps=300, n_train=256, n_test=32, n
                 run=dict(steps=30, eval_every=10, gen_every=10, eval_batch_size=16))
 # CI's smoke test: the quick profile at the smallest sizes that still exercise every stage (well under 90 s).
 SMOKE = replace(QUICK, n_sft=256, sft_steps=10, n_train=32, n_test=16, n_gen=8, seeds=(0, 1),
-                settings=("stock", "branch_cp"), diag_settings=("branch_cp", "position_cp_shared"), diag_batches=1,
+                settings=("stock", "branch_cp"), diag_settings=("branch_cp", "position_cp"), diag_batches=1,
                 sgd_batches=2,
                 diag_draws=2, timing_rounds=1, timing_steps=1,
                 run=dict(steps=4, eval_every=2, gen_every=4, eval_batch_size=8))
@@ -90,6 +90,10 @@ def _setting_key(setting) -> dict:
     for late in ("balanced",):
         if not key[late]:
             del key[late]
+    law = key.pop("mask_law")  # was a boolean `shared_masks` when the first results were cached
+    key["shared_masks"] = law == "pair"
+    if law == "row":
+        key["row_masks"] = True
     return key
 
 
@@ -148,6 +152,26 @@ class Study:
         _save(path, {"fingerprint": fp, "metrics": metrics})
         return metrics
 
+    def train_parallel(self, jobs: int, seeds=None, names=None, argv_extra=()):
+        """Stage 2 in `jobs` worker processes (one run each, one torch thread each), same caching."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.policy()  # train the starting policy once, before the workers look for it
+        self.start_metrics()
+        todo = [(seed, name) for seed in (seeds if seeds is not None else self.profile.seeds)
+                for name in (names or self.trained)]
+
+        def one(item):
+            seed, name = item
+            command = [sys.executable, "-m", "evaluation.quality", "--stage", "train", "--seeds", str(seed),
+                       "--settings", name, "--out", str(self.out), *argv_extra]
+            return subprocess.run(command, cwd=REPO, check=False).returncode
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            failed = [item for item, code in zip(todo, pool.map(one, todo)) if code != 0]
+        if failed:
+            raise SystemExit(f"training runs failed: {failed}")
+
     def train(self, seeds=None, names=None):
         from .settings import SETTINGS
         from .tasks import as_dataset
@@ -186,7 +210,7 @@ class Study:
                             self.profile.timing_rounds, self.profile.timing_steps, log=_log)
         _save(path, {"fingerprint": fp, "timing": result})
 
-    def gradients(self):
+    def gradients(self, only=None):
         """One cached file per policy state: gradients-start.json, gradients-trained.json, gradients-far.json."""
         from .gradients import diagnose
         from .settings import FAR_DIAGNOSED, SETTINGS
@@ -199,15 +223,24 @@ class Study:
             far = [n for n in FAR_DIAGNOSED if n in self.diagnosed] or self.diagnosed[:2]
             states += [("trained", str(trained), rows, self.diagnosed), ("far", str(trained), far_pairs(rows), far)]
         for state, policy, state_rows, names in states:
-            path = self.out / f"gradients-{state}.json"
-            fp = _fingerprint(self.base_fp, names, self.profile.diag_batches, self.profile.diag_draws,
-                              self.profile.sgd_batches, state)
-            if _load(path, fp):
+            if only and state not in only:
                 continue
-            _log(f"gradient diagnostics: {state} ({len(names)} settings)")
-            result = diagnose([SETTINGS[n] for n in names], policy, self.policy(), state_rows, self.cfg,
-                              self.profile.diag_draws, self.profile.diag_batches, log=_log)
-            _save(path, {"fingerprint": fp, "diagnostics": result})
+            path = self.out / f"gradients-{state}.json"
+            # Results are kept per setting: adding a setting computes only that one.
+            fp = _fingerprint(self.base_fp, self.profile.diag_batches, self.profile.diag_draws,
+                              self.profile.sgd_batches, state)
+            cached = _load(path, fp)
+            done = cached["diagnostics"] if cached else {}
+            missing = [n for n in names if n not in done]
+            if not missing:
+                continue
+            _log(f"gradient diagnostics: {state} ({len(missing)} settings)")
+
+            def save(partial, path=path, fp=fp, done=done):
+                _save(path, {"fingerprint": fp, "diagnostics": {**done, **partial}})
+
+            diagnose([SETTINGS[n] for n in missing], policy, self.policy(), state_rows, self.cfg,
+                     self.profile.diag_draws, self.profile.diag_batches, log=_log, on_result=save)
 
     def report(self):
         from .write_doc import write
@@ -229,6 +262,10 @@ def main(argv=None):
     parser.add_argument("--sft-steps", type=int, help="override the warm-start SFT steps")
     parser.add_argument("--n-train", type=int, help="override the number of DPO training pairs")
     parser.add_argument("--all-seeds", type=int, nargs="+", help="override the study's seeds (all stages)")
+    parser.add_argument("--states", nargs="+", choices=["start", "trained", "far"],
+                        help="restrict the gradients stage to these policy states")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="training runs in parallel (separate processes, one thread each); timings get noisier")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: a shared machine)")
     args = parser.parse_args(argv)
 
@@ -273,13 +310,22 @@ def main(argv=None):
         if stage == "sft":
             study.policy()
             study.start_metrics()
+        elif stage == "train" and args.jobs > 1:
+            extra = ["--smoke"] if args.smoke else ["--quick"] if args.quick else []
+            extra += ["--threads", str(args.threads)]
+            for flag, value in (("--steps", args.steps), ("--sft-steps", args.sft_steps), ("--n-train", args.n_train)):
+                if value:
+                    extra += [flag, str(value)]
+            if args.all_seeds:
+                extra += ["--all-seeds", *map(str, args.all_seeds)]
+            study.train_parallel(args.jobs, seeds=args.seeds, names=args.settings, argv_extra=extra)
         elif stage == "train":
             study.start_metrics()
             study.train(seeds=args.seeds, names=args.settings)
         elif stage == "timing":
             study.timing()
         elif stage == "gradients":
-            study.gradients()
+            study.gradients(only=args.states)
         else:
             study.report()
     return 0

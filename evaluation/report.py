@@ -63,29 +63,50 @@ def curve(run, key, x="step"):
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def equal_time_steps(name: str, ratio: float, steps: int) -> float:
-    """Steps a setting does in the time stock does `steps`: solves sum_k r(k) = steps, r(k) its per-step time
-    ratio at step k (constant, or for an annealed setting interpolated towards 1 with its probabilities)."""
+def step_cost(name: str, ratio: float, steps: int, k: int) -> float:
+    """Time of training step k of a setting relative to a stock step: its round-robin ratio, or for an annealed
+    setting that ratio moved towards 1 as far as its keep probabilities have ramped (horizon `steps`)."""
     setting = SETTINGS[name]
     if not setting.anneal:
-        return steps / ratio
+        return ratio
     base = {"branch_keep_prob": 1.0, "position_keep_prob": 1.0, "prefix_prune_prob": 0.0, **setting.pruning}
+    probs = annealed(base, setting.anneal, steps, k)
+    # Progress of the ramp, 0 (base) .. 1 (exact), read from the first annealed probability that moves.
+    if base["branch_keep_prob"] < 1:
+        done = (probs["branch_keep_prob"] - base["branch_keep_prob"]) / (1 - base["branch_keep_prob"])
+    elif base["position_keep_prob"] < 1:
+        done = (probs["position_keep_prob"] - base["position_keep_prob"]) / (1 - base["position_keep_prob"])
+    else:
+        done = 1 - probs["prefix_prune_prob"] / base["prefix_prune_prob"] if base["prefix_prune_prob"] else 1
+    return ratio + done * (1 - ratio)
+
+
+def equal_time_steps(name: str, ratio: float, steps: int) -> float:
+    """Steps a setting does in the time stock does `steps`: solves sum_k step_cost(k) = steps."""
+    if not SETTINGS[name].anneal:
+        return steps / ratio
     budget, k = float(steps), 0
-    while budget > 0 and k < 100 * steps:
-        probs = annealed(base, setting.anneal, steps, k)
-        # Progress of the ramp, 0 (base) .. 1 (exact), read from the first annealed probability that moves.
-        if base["branch_keep_prob"] < 1:
-            done = (probs["branch_keep_prob"] - base["branch_keep_prob"]) / (1 - base["branch_keep_prob"])
-        elif base["position_keep_prob"] < 1:
-            done = (probs["position_keep_prob"] - base["position_keep_prob"]) / (1 - base["position_keep_prob"])
-        else:
-            done = 1 - probs["prefix_prune_prob"] / base["prefix_prune_prob"] if base["prefix_prune_prob"] else 1
-        cost = ratio + done * (1 - ratio)
+    while k < 100 * steps:
+        cost = step_cost(name, ratio, steps, k)
         if budget < cost:
             return k + budget / cost
         budget -= cost
         k += 1
     return float(k)
+
+
+def with_timed_axis(run, timing: dict, steps: int):
+    """The run with `rr_time` on every curve point: seconds of training at the round-robin step time of its
+    setting (stock's median step time x the setting's ratio, per step), free of the load the run itself met."""
+    stock_s = timing["stock"]["step_s"]
+    ratio = timing.get(run["setting"], {}).get("ratio", 1.0)
+    curve_points, elapsed, k = [], 0.0, 0
+    for point in run["curve"]:
+        while k < point["step"]:
+            elapsed += stock_s * step_cost(run["setting"], ratio, steps, k)
+            k += 1
+        curve_points.append({**point, "rr_time": elapsed})
+    return {**run, "curve": curve_points}
 
 
 def summarize(runs: dict, timing: dict, steps: int, width: float = 0.0) -> dict:
@@ -94,8 +115,10 @@ def summarize(runs: dict, timing: dict, steps: int, width: float = 0.0) -> dict:
     Accuracies are read as `window` means over the last `width` steps before the reading point (0: the point).
     """
     stock_runs = {r["seed"]: r for r in runs.get("stock", [])}
-    out = {}
-    for name, seed_runs in runs.items():
+    out, seeds_of = {}, {}
+    order = sorted(runs, key=lambda n: n != "stock")  # stock first: the deltas need its per-seed values
+    for name in order:
+        seed_runs = runs[name]
         ratio = timing.get(name, {}).get("ratio", 1.0) if timing else 1.0
         eq_steps = equal_time_steps(name, ratio, steps)
         row = {"n": len(seed_runs), "ratio": ratio, "eq_steps": eq_steps, "lower_bound": False}
@@ -117,26 +140,27 @@ def summarize(runs: dict, timing: dict, steps: int, width: float = 0.0) -> dict:
                 "acc_mtime": window(tx, tacc, stock_time, time_width) if stock and tx[-1] >= stock_time
                 else float("nan"),
                 "acc_final": acc[-1],
+                # Learning speed: mean accuracy over the evaluations up to N (an area under the curve).
+                "acc_auc": statistics.mean(a for x, a in zip(xs, acc) if x <= steps),
                 "margin_steps": interp(xs, margin, steps),
                 "gen_steps": interp(gx, gen, steps) if gx else float("nan"),
                 "gen_prefix_steps": interp(*curve(run, "gen_prefix_acc"), steps) if gx else float("nan"),
                 "step_s": run["train_time"] / run["max_steps"],
                 "cost_per_step": run["cost_units"] / run["max_steps"],
                 "clip": run["clip_fraction"],
+                "grad_norm": statistics.median(h["grad_norm"] for h in run["train_log"] if "grad_norm" in h),
             }
+        seeds_of[name] = per_seed
+        stock_seeds = seeds_of.get("stock", {})
         for key in next(iter(per_seed.values())):
             row[key] = mean_ci([v[key] for v in per_seed.values()])
-            if key.startswith("acc_") and stock_runs:
-                deltas = [v[key] - _stock_value(stock_runs, s, steps, width) for s, v in per_seed.items()
-                          if s in stock_runs]
+            if key.startswith("acc_") and stock_seeds:
+                # At equal time stock is read at N steps: that is stock's own time for N steps, by definition.
+                ref = "acc_steps" if key in ("acc_time", "acc_mtime") else key
+                deltas = [v[key] - stock_seeds[s][ref] for s, v in per_seed.items() if s in stock_seeds]
                 row["d_" + key] = mean_ci(deltas)
         out[name] = row
-    return out
-
-
-def _stock_value(stock_runs, seed, steps, width):
-    xs, acc = curve(stock_runs[seed], "pref_acc")
-    return window(xs, acc, steps, width)  # stock at N steps is stock at its own wall-clock by definition
+    return {name: out[name] for name in runs}
 
 
 def fmt(mean_half, pct=True, signed=False, digits=1, scale=None):
@@ -152,9 +176,11 @@ def fmt(mean_half, pct=True, signed=False, digits=1, scale=None):
 # ---------------------------------------------------------------------------------------------------------- plots
 
 FAMILIES = [
-    ("Branch pruning", ["stock", "branch", "branch_cp", "branch_ind_cp", "branch75_cp", "branch_cp_anneal"]),
-    ("Position pruning", ["stock", "position", "position_cp", "position_cp_shared"]),
-    ("Prefix and combined", ["stock", "prefix", "prefix_cp", "combined", "combined_cp", "combined_cp_shared"]),
+    ("Branch pruning", ["stock", "branch", "branch_cp", "branch_ind_cp", "branch75_cp", "branch75_ind_cp",
+                        "branch_cp_anneal"]),
+    ("Position pruning", ["stock", "position_rows", "position_cp_rows", "position_cp_shared"]),
+    ("Prefix and combined", ["stock", "prefix_rows", "prefix", "prefix_cp_shared", "posprefix_cp_shared",
+                             "combined_cp_shared"]),
 ]
 
 
@@ -176,24 +202,36 @@ def _band(ax, runs, key, x, grid, label, color):
         ax.fill_between(xs, lows, highs, color=color, alpha=0.15, lw=0)
 
 
-def plot_curves(runs: dict, start: dict, path_steps: str, path_time: str, path_extra: str, steps: int):
+def plot_curves(runs: dict, start: dict, path_steps: str, path_time: str, path_extra: str, steps: int,
+                timing: dict | None = None, path_measured: str | None = None):
+    """Preference accuracy against steps, against the round-robin-timed wall-clock (`path_time`, when `timing`),
+    and against each run's measured wall-clock (`path_measured`); margin and generation metrics against steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colors = plt.get_cmap("tab10")
-    for path, x, xlabel in ((path_steps, "step", "training step"),
-                            (path_time, "time", "training wall-clock (s, measured; shared CPU, noisy)")):
+    panels = [(path_steps, "step", "training step")]
+    if timing:
+        runs = {n: [with_timed_axis(r, timing, steps) for r in rs] for n, rs in runs.items()}
+        panels.append((path_time, "rr_time", "training wall-clock (s): steps x round-robin step time of the setting"))
+    if path_measured:
+        panels.append((path_measured, "time", "training wall-clock (s) as measured in each run (machine load varied)"))
+    for path, x, xlabel in panels:
         fig, axes = plt.subplots(1, len(FAMILIES), figsize=(5.2 * len(FAMILIES), 4.2), sharey=True)
         for ax, (title, names) in zip(axes, FAMILIES):
             for i, name in enumerate(n for n in names if n in runs):
                 seed_runs = [_with_start(r, start) for r in runs[name]]
                 end = max(r["curve"][-1][x] for r in seed_runs)
-                grid = [end * j / 60 for j in range(61)]
+                first = min(r["curve"][1][x] for r in seed_runs) if start else 0.0
+                grid = [0.0] + [first + (end - first) * j / 60 for j in range(61)]
                 _band(ax, seed_runs, "pref_acc", x, grid, SETTINGS[name].label, colors(i))
             if x == "step":
                 ax.axvline(steps, color="grey", ls=":", lw=1)
+            elif x == "rr_time":
+                ax.axvline(steps * timing["stock"]["step_s"], color="grey", ls=":", lw=1)
+            ax.set_ylim(bottom=0.5, top=1.0)  # step 0 (all ties: 0) is off the bottom; the comparison is above it
             ax.set_title(title)
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
@@ -239,7 +277,7 @@ def _with_start(run, start):
     """The run's curve with the shared step-0 evaluation (the starting policy) in front."""
     if not start or (run["curve"] and run["curve"][0]["step"] == 0):
         return run
-    return {**run, "curve": [{"step": 0, "time": 0.0, "cost": 0, **start}] + run["curve"]}
+    return {**run, "curve": [{"step": 0, "time": 0.0, "rr_time": 0.0, "cost": 0, **start}] + run["curve"]}
 
 
 def plot_gradients(grads: dict, path: str, names: list[str]):
@@ -249,24 +287,27 @@ def plot_gradients(grads: dict, path: str, names: list[str]):
     import matplotlib.pyplot as plt
 
     states = [s for s in ("start", "trained", "far") if s in grads]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.32 * len(names) + 1.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.32 * len(names) + 1.6), sharey=True)
     ys = list(range(len(names)))
     width = 0.8 / max(len(states), 1)
     for j, state in enumerate(states):
         offset = [y + (j - (len(states) - 1) / 2) * width for y in ys]
         cos = [grads[state].get(n, {}).get("cos", float("nan")) for n in names]
-        noise = [grads[state].get(n, {}).get("noise_vs_sgd", float("nan")) for n in names]
+        # Exact settings have noise ~1e-13 (round-off): drawn at the left edge instead of stretching the log axis.
+        noise = [max(grads[state].get(n, {}).get("noise_vs_sgd", float("nan")), 0.02) for n in names]
         axes[0].barh(offset, cos, height=width, label=f"policy: {state}")
         axes[1].barh(offset, noise, height=width, label=f"policy: {state}")
     axes[0].set_yticks(ys, [SETTINGS[n].label for n in names], fontsize=7)
     axes[0].invert_yaxis()
-    axes[0].set_xlabel("mean cosine(pruned gradient, full gradient), same batch")
-    axes[1].set_xlabel("pruning noise / minibatch (SGD) noise, same batch size (log)")
+    axes[0].set_xlabel("mean cosine with the full gradient, same batch")
+    axes[1].set_xlabel("pruning noise / stock's minibatch noise (log)")
     axes[1].set_xscale("log")
+    axes[1].set_xlim(0.02, 300)
     axes[1].axvline(1.0, color="grey", ls=":", lw=1)
     for ax in axes:
         ax.grid(alpha=0.3, axis="x")
         ax.legend(fontsize=7)
     fig.tight_layout()
+    fig.subplots_adjust(left=0.3)  # room for the longest setting labels
     fig.savefig(path, dpi=110)
     plt.close(fig)

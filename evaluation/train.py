@@ -74,7 +74,7 @@ class PrunedTrainer(_Costed, PrunedDPOTrainer):
 
 
 def _prototype_trainer(setting: Setting):
-    return type("PrototypeTrainer", (_Costed, prototype_class(setting.shared_masks, setting.balanced)), {})
+    return type("PrototypeTrainer", (_Costed, prototype_class(setting.mask_law, setting.balanced)), {})
 
 
 class _StudyLogger(TrainerCallback):
@@ -122,7 +122,7 @@ def build_trainer(setting: Setting, policy_dir: str, train_ds, eval_ds, seed: in
         args, cls = DPOConfig(**common), StockTrainer
     else:
         args = PrunedDPOConfig(**common, **setting.pruning)
-        cls = _prototype_trainer(setting) if setting.shared_masks or setting.balanced else PrunedTrainer
+        cls = _prototype_trainer(setting) if setting.mask_law != "trainer" or setting.balanced else PrunedTrainer
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     return cls(model=load_policy(policy_dir), ref_model=load_policy(policy_dir), args=args, train_dataset=train_ds,
                eval_dataset=eval_ds, processing_class=tokenizer), tokenizer

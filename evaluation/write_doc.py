@@ -74,10 +74,10 @@ def write(study):
 
     img = docs / "img"
     img.mkdir(parents=True, exist_ok=True)
-    files = {k: f"quality_{k}.png" for k in ("steps", "time", "margin_gen", "gradients")}
+    files = {k: f"quality_{k}.png" for k in ("steps", "time", "time_measured", "margin_gen", "gradients")}
     trained_runs = {n: r for n, r in runs.items() if n not in exact}
     plot_curves(trained_runs, start, str(img / files["steps"]), str(img / files["time"]),
-                str(img / files["margin_gen"]), steps)
+                str(img / files["margin_gen"]), steps, timing=timing, path_measured=str(img / files["time_measured"]))
     diag_names = [n for n in study.diagnosed if any(n in grads.get(s, {}) for s in ("start", "trained", "far"))]
     if diag_names:
         plot_gradients(grads, str(img / files["gradients"]), diag_names)
@@ -110,30 +110,39 @@ def write(study):
       f"steps (N = {steps}) and at equal wall-clock (the steps a setting does in stock's time for N steps, from the "
       "round-robin step timing); Δ is paired by seed against stock. Each reading is the mean of the curve at three "
       f"points spanning the last {width} steps before it (e.g. steps {steps - width}, {steps - width // 2} and "
-      f"{steps} for @N): one evaluation of a policy that moves every step is noisier than the level it sits at. Gradient columns: the "
-      f"{state} policy, fixed batches of {cfg.batch_size} pairs (see [Gradient diagnostics](#gradient-diagnostics)).\n")
-    w("| setting | pref acc @N | Δ @N | verdict @N | step time (× stock) | pref acc @ equal time | Δ @ equal time | "
-      "verdict @ equal time | gen acc @N (right prefix) | margin @N | grad cos | noise / SGD noise |")
-    w("|---|---|---|---|---|---|---|---|---|---|---|---|")
+      f"{steps} for @N): one evaluation of a policy that moves every step is noisier than the level it sits at.\n")
+    w("| setting | pref acc @N | Δ @N | verdict @N | step time (× stock) | pref acc @ equal time | "
+      "Δ @ equal time | verdict @ equal time |")
+    w("|---|---|---|---|---|---|---|---|")
     for name in names:
         if name not in summary:
             continue
         row = summary[name]
-        g = grads.get(state, {}).get(name, {})
         stock = name == "stock" or name in exact
         eq = fmt(row["acc_time"]) + (" (≥)" if row["lower_bound"] else "")
         w(f"| {SETTINGS[name].label} | {fmt(row['acc_steps'])} | "
           f"{'—' if stock else fmt(row['d_acc_steps'], signed=True)} | "
           f"{'—' if stock else _verdict_steps(row['d_acc_steps'])} | {row['ratio']:.2f} | "
           f"{eq} | {'—' if stock else fmt(row['d_acc_time'], signed=True)} | "
-          f"{'—' if stock else _verdict_time(row['d_acc_time'], row['lower_bound'])} | "
-          f"{fmt(row['gen_steps'])} ({fmt(row['gen_prefix_steps'])}) | "
+          f"{'—' if stock else _verdict_time(row['d_acc_time'], row['lower_bound'])} |")
+    w("")
+    w(f"Learning speed and the other metrics, at N = {steps} steps (mean ± 95% t-interval): *mean pref acc* is the "
+      f"mean of the evaluations up to N (every {cfg.eval_every} steps: it rewards getting there early); generation "
+      f"accuracy is greedy decoding on {profile.n_gen} held-out prompts (in brackets: the completion starts with the "
+      f"right answer); gradient columns from the `{state}` policy.\n")
+    w("| setting | mean pref acc ≤ N | Δ | margin @N | gen acc @N (right prefix) | grad cos | noise / SGD noise |")
+    w("|---|---|---|---|---|---|---|")
+    for name in names:
+        if name not in summary or name in exact:
+            continue
+        row = summary[name]
+        g = grads.get(state, {}).get(name, {})
+        w(f"| {SETTINGS[name].label} | {fmt(row['acc_auc'])} | "
+          f"{'—' if name == 'stock' else fmt(row['d_acc_auc'], signed=True)} | "
           f"{fmt(row['margin_steps'], pct=False, digits=2)} | "
+          f"{fmt(row['gen_steps'])} ({fmt(row['gen_prefix_steps'])}) | "
           f"{_num(g.get('cos'), 3)} | {_num(g.get('noise_vs_sgd'), 2)} |")
     w("")
-    if exact:
-        w("Exact rows (" + ", ".join(SETTINGS[n].label for n in exact) + ") are not trained: their updates are "
-          "stock's up to float round-off, so they read stock's curve at the steps their speed buys.\n")
     w("Verdicts: at equal steps *within 1 pt* means the interval of Δ lies above -1 point, *loses* that it lies "
       "below; at equal time *>= stock* means Δ ≥ 0 on average (with its interval), *loses* that the whole interval "
       "is below 0; anything else is *inconclusive* at this number of seeds. (≥): the setting ran out of steps before "
@@ -143,7 +152,13 @@ def write(study):
 
     w("## Curves\n")
     w(f"![preference accuracy against steps](img/{files['steps']})\n")
-    w(f"![preference accuracy against measured wall-clock](img/{files['time']})\n")
+    if timing:
+        w(f"![preference accuracy against wall-clock](img/{files['time']})\n")
+        w("Wall-clock here is each step's time from the round-robin timing (the median stock step × the setting's "
+          "ratio; annealed settings pay more on their ramp), so every seed of a setting shares one time axis; the "
+          "dotted line is stock's time for N steps, where the equal-time column is read. The same curves against the "
+          "time each run measured for itself, which is what the machine's load made of it (seeds ran while other "
+          f"jobs came and went, so one setting's seeds differ by up to 4×): [measured](img/{files['time_measured']}).\n")
     w(f"![margin and generation accuracy against steps](img/{files['margin_gen']})\n")
     w("Bands: 95% t-intervals over seeds. Step 0 is the starting policy, where the policy is the reference and every "
       "implicit reward is 0 (TRL counts the ties as wrong, so accuracy starts at 0). The dotted line is N; pruned "
@@ -165,22 +180,20 @@ def write(study):
       "pairs that share little beyond the prompt), diagnostics only.\n")
     if diag_names:
         w(f"![gradient diagnostics](img/{files['gradients']})\n")
-        states = [s for s in ("start", "trained", "far") if s in grads]
-        header = "| setting | " + " | ".join(
-            f"{s}: cos | {s}: rel. MSE | {s}: bias | {s}: noise/SGD | {s}: eff. batch" for s in states) + " | cost |"
-        w(header)
-        w("|" + "---|" * (2 + 5 * len(states)))
+        states = [st for st in ("start", "trained", "far") if st in grads]
+        main = "trained" if "trained" in grads else states[0]
+        w(f"At the `{main}` policy, all measures; then the noise ratio and effective batch at every state.\n")
+        w("| setting | cos | rel. MSE | bias | noise/SGD | eff. batch (of " + str(cfg.batch_size) + ") | cost | "
+          + " | ".join(f"{st}: noise/SGD (eff. batch)" for st in states) + " |")
+        w("|" + "---|" * (7 + len(states)))
         for name in diag_names:
-            cells = []
-            for s in states:
-                r = grads[s].get(name)
-                if r:
-                    cells += [f"{r['cos']:.3f}", f"{r['rel_mse']:.3f}", f"{r['rel_bias']:+.4f}",
-                              f"{r['noise_vs_sgd']:.2f}", f"{r['eff_batch']:.1f}"]
-                else:
-                    cells += ["—"] * 5
-            cost = next((grads[s][name]["cost"] for s in states if name in grads[s]), float("nan"))
-            w(f"| {SETTINGS[name].label} | " + " | ".join(cells) + f" | {cost:.2f} |")
+            r = grads[main].get(name)
+            cells = ([f"{r['cos']:.3f}", f"{r['rel_mse']:.2f}", f"{r['rel_bias']:+.3f}", f"{r['noise_vs_sgd']:.2f}",
+                      f"{r['eff_batch']:.1f}", f"{r['cost']:.2f}"] if r else ["—"] * 6)
+            for st in states:
+                e = grads[st].get(name)
+                cells.append(f"{e['noise_vs_sgd']:.2f} ({e['eff_batch']:.1f})" if e else "—")
+            w(f"| {SETTINGS[name].label} | " + " | ".join(cells) + " |")
         w("")
 
     w("## Wall-clock\n")
@@ -192,8 +205,9 @@ def write(study):
       f"the gradient norm exceeded max_grad_norm = {cfg.max_grad_norm} (and was clipped). *Δ @ measured time*: "
       "each seed's curve read at stock's measured training time for N steps (blank if the run did not get there).\n")
     w("| setting | round-robin step time (ms) | × stock [min, max over rounds] | measured train time per step (ms) | "
-      "token cost per step (× stock) | clip | pref acc @ measured equal time | Δ @ measured time |")
-    w("|---|---|---|---|---|---|---|---|")
+      "token cost per step (× stock) | clip | median grad norm (pre-clip) | pref acc @ measured equal time | "
+      "Δ @ measured time |")
+    w("|---|---|---|---|---|---|---|---|---|")
     stock_cost = summary["stock"]["cost_per_step"][0]
     for name in names:
         if name not in summary:
@@ -202,10 +216,11 @@ def write(study):
         tt = (f"{t['step_s'] * 1e3:.0f} | {t['ratio']:.2f} [{t['ratio_min']:.2f}, {t['ratio_max']:.2f}]"
               if t else "— | —")
         if name in exact:
-            w(f"| {SETTINGS[name].label} | {tt} | — | — | — | — | — |")
+            w(f"| {SETTINGS[name].label} | {tt} | — | — | — | — | — | — |")
             continue
         w(f"| {SETTINGS[name].label} | {tt} | {fmt(row['step_s'], pct=False, digits=0, scale=1000)} | "
-          f"{row['cost_per_step'][0] / stock_cost:.2f} | {fmt(row['clip'], digits=0)}% | {fmt(row['acc_mtime'])} | "
+          f"{row['cost_per_step'][0] / stock_cost:.2f} | {fmt(row['clip'], digits=0)}% | "
+          f"{fmt(row['grad_norm'], pct=False, digits=1)} | {fmt(row['acc_mtime'])} | "
           f"{'—' if name == 'stock' else fmt(row['d_acc_mtime'], signed=True)} |")
     w("")
 
@@ -232,11 +247,13 @@ def write(study):
     w("- **Same for every setting of a seed**: starting weights, data and data order (`seed` = `data_seed`), "
       f"evaluation pairs. Data order identical across settings (batch hashes over the first N steps): "
       f"**{'verified' if same_order else 'NOT identical — investigate'}**. Trainer sources (hash of "
-      f"trl_pruned_dpo/*.py): {'the same for every run' if len(versions) == 1 else 'changed between runs: '}"
-      f"{' '.join(sorted(versions)) if len(versions) > 1 else ''}.")
-    w("- **Prototypes** (evaluation/prototypes.py, not in the trainer): *pair-shared mask* draws one position mask "
-      "(and one prefix cut) per pair and applies it to both rows, same marginals as the trainer's masks; "
-      "*annealed* ramps the keep probabilities to 1 over the last 30% of the N steps.\n")
+      f"trl_pruned_dpo/*.py, the CLI included) over the runs: {len(versions)} version(s)"
+      f"{'' if len(versions) == 1 else ' (the package was developed while the study ran: see the findings)'}.")
+    w("- **Mask laws** (evaluation/prototypes.py): *per row* is the trainer's original law (every row draws its own "
+      "position mask and prefix cut); *per pair* draws once per pair and applies the draw to both rows (the trainer's "
+      "position law since commit e6821e9); *per micro-batch* is the trainer's prefix law since 6e59660 (one cut coin "
+      "and uniform for every row). All keep each row's marginal law, so the weights are the same. *Balanced* and "
+      "*annealed* are prototypes not in the trainer.\n")
 
     w("## The command\n")
     w("```bash\n"

@@ -44,7 +44,7 @@ def test_quality_quick_smoke(tmp_path):
     for state in ("start", "trained", "far"):
         grads = json.loads((out / f"gradients-{state}.json").read_text())["diagnostics"]
         assert grads["_meta"]["sgd_noise"] > 0
-        for name in ("branch_cp", "position_cp_shared"):
+        for name in ("branch_cp", "position_cp"):
             entry = grads[name]
             assert -1.0 <= entry["cos"] <= 1.0 and entry["rel_mse"] >= 0.0 and entry["cost"] > 0.0
 
