@@ -102,8 +102,9 @@ def write(study):
       f"seeds {seeds}. Reproduce with\n")
     w("```bash\n" + ("python -m evaluation.quality --quick" if profile.quick else "python -m evaluation.quality")
       + "\n```\n")
-    w("(the full profile takes about an hour of one CPU core and resumes where it stopped; `--quick` is the ~5-minute "
-      "version CI runs at tiny sizes; see [the command](#the-command)).\n")
+    w("(the full profile takes about an hour on one idle CPU core, half that with `--jobs 2`, and resumes where it "
+      "stopped; `--quick` is a tiny version that takes about a minute and a half, and CI runs it at even smaller "
+      "sizes; see [the command](#the-command)).\n")
 
     w("## Headline\n")
     w(f"Held-out implicit-reward preference accuracy (%, mean ± 95% t-interval over {len(seeds)} seeds) at equal "
@@ -259,9 +260,10 @@ def write(study):
     w("```bash\n"
       "python -m evaluation.quality                  # full study: SFT warm start, all runs, timing, diagnostics, "
       "report\n"
+      "python -m evaluation.quality --jobs 2         # the same, two training runs at a time (noisier timings)\n"
       "python -m evaluation.quality --stage train --seeds 0   # one stage / one seed at a time (resumable)\n"
       "python -m evaluation.quality --stage report  # rewrite docs/quality.md and docs/img/quality_*.png\n"
-      "python -m evaluation.quality --quick          # ~5 minutes, tiny sizes, writes runs/quality-quick/ only\n"
+      "python -m evaluation.quality --quick          # ~1.5 minutes, tiny sizes, writes runs/quality-quick/ only\n"
       "```\n")
     w("Results are cached under `runs/quality/` (a result is reused only if the configuration that produced it is "
       "unchanged); the starting policy under `$TRL_PRUNED_DPO_CACHE/quality/` (default `~/.cache/trl_pruned_dpo`).\n")
