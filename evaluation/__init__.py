@@ -3,7 +3,8 @@
 Run it with ``python -m evaluation.quality`` (``--quick`` for the CI-sized version); docs/quality.md holds the
 results and the command that produced them. Modules, in the order a run uses them:
 
-- tasks.py      the study's preference data (sort from the demo, count; responses of 2 to ~240 tokens), splits that never overlap
+- tasks.py      the study's preference data (sort from the demo, count; responses of 2 to ~240 tokens), splits
+                that never overlap
 - sft.py        the warm-started starting policy (a short SFT of the demo's tiny model), cached on disk
 - settings.py   the named trainer settings compared, stock first
 - prototypes.py mask laws fixed outside the trainer (per pair, per row), balanced branch sampling, annealing

@@ -159,7 +159,8 @@ def write(study):
           "ratio; annealed settings pay more on their ramp), so every seed of a setting shares one time axis; the "
           "dotted line is stock's time for N steps, where the equal-time column is read. The same curves against the "
           "time each run measured for itself, which is what the machine's load made of it (seeds ran while other "
-          f"jobs came and went, so one setting's seeds differ by up to 4×): [measured](img/{files['time_measured']}).\n")
+          "jobs came and went, so one setting's seeds differ by up to 4×): "
+          f"[measured](img/{files['time_measured']}).\n")
     w(f"![margin and generation accuracy against steps](img/{files['margin_gen']})\n")
     w("Bands: 95% t-intervals over seeds. Step 0 is the starting policy, where the policy is the reference and every "
       "implicit reward is 0 (TRL counts the ties as wrong, so accuracy starts at 0). The dotted line is N; pruned "
