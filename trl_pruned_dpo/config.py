@@ -42,7 +42,9 @@ class PrunedDPOConfig(DPOConfig):
             `torch.no_grad()`. In (0, 1].
         branch_sampling (`str`, *optional*, defaults to `"paired"`):
             `"paired"`: the two branches of a pair are drawn together (at 0.5, exactly one per pair; fixed cost).
-            `"independent"`: each branch is drawn on its own (the cost varies per step).
+            `"independent"`: each branch is drawn on its own (the cost varies per step). On near-copy pairs
+            (chosen and rejected nearly identical) independent measured half the gradient noise of paired
+            (docs/quality.md); branch pruning loses accuracy on such data either way.
         prune_reference (`bool`, *optional*, defaults to `True`):
             Score the reference model with the same masks as the policy (lower variance, cheaper). If `False`, the
             reference log-probs are summed exactly over every response token.
