@@ -222,7 +222,7 @@ class PrunedDPOTrainer(DPOTrainer):
         """Per-branch reference sums from per-token values, through TRL's own `compute_ref_log_probs` (ld_alpha)."""
         return DPOTrainer.compute_ref_log_probs(self, _Replay(log_probs=per_token), inputs)
 
-    def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """The pruned forward of the [chosen; rejected] batch.
 
         Returns the policy's per-token outputs (log-probs and TRL's metric fields) as inverse-probability-weighted
