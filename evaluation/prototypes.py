@@ -45,7 +45,6 @@ from trl_pruned_dpo.masks import (
     common_prefix,
     draw_branches,
     draw_masks,
-    mask_generator,
     prefix_inclusion_prob,
     response_index,
     shortest_prefix,
@@ -136,23 +135,10 @@ class PrototypePrunedDPOTrainer(PrunedDPOTrainer):
     balanced = False
 
     def _draw_masks(self, inputs) -> PruneMasks:
-        step = self.state.global_step
-        micro = self._mask_step[1] + 1 if self._mask_step[0] == step else 0
-        self._mask_step = (step, micro)
         args = self.args
-        generator = mask_generator(args.prune_seed, step, micro, self.accelerator.process_index)
+        generator = self._next_mask_generator()
         draw = draw_masks if self.mask_law == "trainer" else functools.partial(draw_law_masks, law=self.mask_law)
-        masks = draw(
-            inputs["input_ids"],
-            inputs["completion_mask"],
-            position_keep_prob=args.position_keep_prob,
-            prefix_prune_prob=args.prefix_prune_prob,
-            prefix_min_ratio=args.prefix_min_ratio,
-            branch_keep_prob=args.branch_keep_prob,
-            branch_sampling=args.branch_sampling,
-            drop_common_prefix=args.prune_common_prefix,
-            generator=generator,
-        )
+        masks = draw(inputs["input_ids"], inputs["completion_mask"], **self._mask_options(), generator=generator)
         if self.balanced and args.branch_keep_prob < 1:
             if args.branch_sampling != "paired":
                 raise ValueError("balanced branch sampling is a variant of branch_sampling='paired'")

@@ -108,6 +108,14 @@ def common_prefix(input_ids: torch.Tensor, response: torch.Tensor) -> torch.Tens
     return torch.cat([run & resp_w, run & resp_l])
 
 
+def executed_columns(scored: torch.Tensor) -> torch.Tensor:
+    """(rows,) input columns each row must execute: up to and including its last scored token (0 if none)."""
+    cols = torch.arange(1, scored.size(1) + 1, device=scored.device)
+    if not scored.numel():
+        return torch.zeros(scored.size(0), dtype=torch.long, device=scored.device)
+    return (scored.long() * (cols + 1)).amax(dim=1)
+
+
 @dataclass
 class PruneMasks:
     """One draw of the three masks for a stacked batch, in shifted coordinates.
@@ -154,8 +162,7 @@ def draw_masks(
         keep &= draw_positions(response, position_keep_prob, generator)
     inclusion = q * position_keep_prob
     weights = torch.where(keep, 1.0 / inclusion.clamp(min=1e-12), torch.zeros_like(inclusion)).float()
-    cols = torch.arange(1, response.size(1) + 1, device=response.device)
-    executed = (keep.long() * (cols + 1)).amax(dim=1) if keep.numel() else torch.zeros(rows, dtype=torch.long)
+    executed = executed_columns(keep)
     if branch_keep_prob < 1:
         backprop = draw_branches(rows // 2, branch_keep_prob, branch_sampling, generator).to(response.device)
     else:

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from ._trl import DPOTrainer, compact_lm_head, disable_gradient_checkpointing, use_adapter
 from .config import PrunedDPOConfig
 from .estimators import horvitz_thompson, scale_branch_gradient
-from .masks import PruneMasks, draw_masks, mask_generator
+from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
 
 # Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
 REF_TOKEN_COLUMNS = ("ref_chosen_token_logps", "ref_rejected_token_logps")
@@ -148,22 +148,28 @@ class PrunedDPOTrainer(DPOTrainer):
         return concatenate_datasets([dataset, Dataset.from_dict(columns)], axis=1)
 
     # -------------------------------------------------------------------------------------------------------- forward
-    def _draw_masks(self, inputs) -> PruneMasks:
+    def _next_mask_generator(self) -> torch.Generator:
+        """The generator of this micro-step's masks: keyed by (prune_seed, global step, micro-step, rank)."""
         step = self.state.global_step
         micro = self._mask_step[1] + 1 if self._mask_step[0] == step else 0
         self._mask_step = (step, micro)
+        return mask_generator(self.args.prune_seed, step, micro, self.accelerator.process_index)
+
+    def _mask_options(self) -> dict:
+        """The config's sampling probabilities, as `masks.draw_masks` takes them."""
         args = self.args
-        return draw_masks(
-            inputs["input_ids"],
-            inputs["completion_mask"],
+        return dict(
             position_keep_prob=args.position_keep_prob,
             prefix_prune_prob=args.prefix_prune_prob,
             prefix_min_ratio=args.prefix_min_ratio,
             branch_keep_prob=args.branch_keep_prob,
             branch_sampling=args.branch_sampling,
             drop_common_prefix=args.prune_common_prefix,
-            generator=mask_generator(args.prune_seed, step, micro, self.accelerator.process_index),
         )
+
+    def _draw_masks(self, inputs) -> PruneMasks:
+        generator = self._next_mask_generator()
+        return draw_masks(inputs["input_ids"], inputs["completion_mask"], **self._mask_options(), generator=generator)
 
     def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, executed: torch.Tensor):
         """Run `rows` of the batch, trimmed to the longest executed row, scoring the `scored` positions only.
@@ -197,8 +203,7 @@ class PrunedDPOTrainer(DPOTrainer):
     def _reference_log_probs(self, model, inputs, scored: torch.Tensor, executed: torch.Tensor | None = None):
         """Per-token reference log-probs (rows, cols) on the `scored` positions, 0 elsewhere; never backpropagated."""
         if executed is None:
-            cols = torch.arange(1, scored.size(1) + 1, device=scored.device)
-            executed = (scored.long() * (cols + 1)).amax(dim=1)
+            executed = executed_columns(scored)
         rows = torch.nonzero(executed > 0).flatten()
         per_token = torch.zeros(scored.shape, dtype=torch.float32, device=scored.device)
         adapter = contextlib.nullcontext()
