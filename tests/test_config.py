@@ -3,7 +3,7 @@
 import pytest
 from trl import DPOConfig
 
-from conftest import build_trainer
+from tiny import build_trainer
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 

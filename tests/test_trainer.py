@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from conftest import build_trainer, first_batch, loss_and_grads, preference_rows, tiny_model
+from tiny import build_trainer, first_batch, loss_and_grads, preference_rows, tiny_model
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 ALL_ON = dict(position_keep_prob=0.5, prefix_prune_prob=0.5, branch_keep_prob=0.5)

@@ -15,16 +15,28 @@ forward, then the loss and metrics):
 """
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
+import pyarrow as pa
 from datasets import Dataset, IterableDataset, concatenate_datasets
+from datasets.table import InMemoryTable
 from torch.utils.data import DataLoader
+from transformers import ProcessorMixin
 
-from ._trl import DPOTrainer, compact_lm_head, disable_gradient_checkpointing, use_adapter
+from ._trl import (
+    DPOConfig,
+    DPOTrainer,
+    check_compact_lm_head,
+    compact_lm_head,
+    disable_gradient_checkpointing,
+    get_config_model_id,
+    use_adapter,
+)
 from .config import PrunedDPOConfig
 from .estimators import horvitz_thompson, scale_branch_gradient
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
@@ -38,8 +50,8 @@ _NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", 
 class _Replay:
     """Stands in for the model in TRL's `_compute_loss`: returns per-token outputs computed beforehand."""
 
-    def __init__(self, **per_token):
-        self.outputs = SimpleNamespace(aux_loss=None, **per_token)
+    def __init__(self, aux_loss=None, **per_token):
+        self.outputs = SimpleNamespace(aux_loss=aux_loss, **per_token)
 
     def __call__(self, *args, **kwargs):
         return self.outputs
@@ -70,6 +82,54 @@ class _PerTokenReferenceCollator:
         return batch
 
 
+_VISION_ERROR = (
+    "Pruning supports text datasets only (the pruned forward slices rows and columns of token tensors, not images): "
+    "turn pruning off (keep probabilities 1, prefix_prune_prob=0, prune_common_prefix=False) to train a "
+    "vision-language model, which is then stock DPOTrainer."
+)
+
+
+def _pruning(args) -> bool:
+    """Whether training takes the pruned path; with pruning off every call is TRL's own (stock, by construction)."""
+    return isinstance(args, PrunedDPOConfig) and args.pruning_enabled
+
+
+def _as_pruned_config(model, args):
+    """The trainer's config: stock's default when `args` is None, a plain `DPOConfig` promoted with pruning off.
+
+    A promoted config is the same settings object (its `__dict__` is shared, nothing re-validated or re-derived),
+    carrying the pruning fields at their identity defaults, so swapping the class changes nothing a user passed.
+    """
+    if args is None:  # stock: DPOConfig(f"{model_name}-DPO")
+        model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+        return PrunedDPOConfig(f"{model_name.split('/')[-1]}-DPO")
+    if isinstance(args, PrunedDPOConfig) or not isinstance(args, DPOConfig):
+        return args  # anything else is TRL's to accept or reject
+    promoted = PrunedDPOConfig.__new__(PrunedDPOConfig)
+    promoted.__dict__ = args.__dict__
+    for f in dataclasses.fields(PrunedDPOConfig):
+        if f.name not in promoted.__dict__:
+            setattr(promoted, f.name, f.default)
+    promoted.prune_seed = args.seed
+    return promoted
+
+
+def _check_prunable(args: PrunedDPOConfig, train_dataset, processing_class):
+    """Reject what stock accepts but the pruned forward cannot do, before any work."""
+    parallel = args.parallelism_config
+    if parallel is not None and parallel.non_data_parallel_size > 1:
+        raise ValueError(
+            f"Pruning with tensor/context/sequence parallelism (tp={parallel.tp_size}, cp={parallel.cp_size}, "
+            f"sp={parallel.sp_size}) is not supported: the ranks that share a batch would draw different masks. Use "
+            "data parallelism only (FSDP/ZeRO/DDP), or turn pruning off."
+        )
+    if isinstance(processing_class, ProcessorMixin) and train_dataset is not None:
+        sample = next(iter(train_dataset))
+        if "image" in sample or "images" in sample:
+            raise ValueError(_VISION_ERROR)
+
+
+
 class PrunedDPOTrainer(DPOTrainer):
     """DPO with stochastic pruning of the computation graph. Same constructor as `trl.DPOTrainer`.
 
@@ -80,47 +140,40 @@ class PrunedDPOTrainer(DPOTrainer):
     _tag_names = ["trl", "dpo", "trl-pruned-dpo"]
 
     def __init__(self, model, ref_model=None, args: PrunedDPOConfig | None = None, *pargs, **kwargs):
-        if args is None:
-            raise ValueError("PrunedDPOTrainer needs `args=PrunedDPOConfig(output_dir=..., ...)`.")
-        if not isinstance(args, PrunedDPOConfig):
-            raise TypeError(
-                f"`args` must be a PrunedDPOConfig, got {type(args).__name__}. PrunedDPOConfig takes every DPOConfig "
-                "field: build it with the same arguments plus the pruning fields."
-            )
-        train_dataset = kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None)
-        if train_dataset is not None:
-            sample = next(iter(train_dataset))
-            if "image" in sample or "images" in sample:
-                raise ValueError("PrunedDPOTrainer supports text datasets only; use trl.DPOTrainer for vision data.")
-            tokenized = {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(sample)
-            missing = [c for c in ("chosen", "rejected") if c not in sample]
-            if missing and not tokenized:
-                raise ValueError(
-                    f"The training dataset has no {missing} column(s) (it has {sorted(sample)}): a preference "
-                    "dataset needs `chosen` and `rejected` (and `prompt`, or a prompt shared at their start)."
-                )
+        args = _as_pruned_config(model, args)
+        if _pruning(args):
+            # The plugin's own refusals: only what stock accepts and the pruned forward cannot do, checked before any
+            # work (TRL precomputes reference log-probs inside its constructor). Everything else is TRL's to reject.
+            _check_prunable(args, kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None),
+                            kwargs.get("processing_class", pargs[4] if len(pargs) > 4 else None))
+            check_compact_lm_head()
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
+        self._grad_rows_aux_loss = None
         super().__init__(model, ref_model, args, *pargs, **kwargs)
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "PrunedDPOTrainer does not support the MoE router auxiliary loss: set `router_aux_loss_coef=0.0`."
-            )
-        if args.precompute_ref_log_probs:
-            self.data_collator = _PerTokenReferenceCollator(self.data_collator)
+        if _pruning(args):
+            if self._is_vision_dataset:  # a processor not passed in (loaded by TRL): known only now
+                raise ValueError(_VISION_ERROR)
+            if args.precompute_ref_log_probs:
+                self.data_collator = _PerTokenReferenceCollator(self.data_collator)
 
     # ----------------------------------------------------------------------------------------------------------- data
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        self._signature_columns = list(self._signature_columns) + list(REF_TOKEN_COLUMNS)
+        if _pruning(self.args):  # keep the stored per-token reference columns (once, however often this is called)
+            missing = [c for c in REF_TOKEN_COLUMNS if c not in self._signature_columns]
+            self._signature_columns = list(self._signature_columns) + missing
 
     def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
-        """Like TRL's, but stores the per-token reference log-probs beside their sums (the masks need them).
+        """With pruning on, also stores the per-token reference log-probs beside their sums (the masks need them).
 
-        Every process computes the whole dataset (no sharding, no cache file): simple and identical on all ranks.
+        With pruning off, and for what TRL rejects (an IterableDataset), it is TRL's own. Like TRL's: under
+        `accelerator.autocast()`, each process computes its shard of the batches, gathered in dataset order. The
+        per-token values travel as one flat float32 buffer with row offsets (an Arrow list column), never as a Python
+        list per row. Kept in memory: no cache file (TRL caches only the sums).
         """
-        if isinstance(dataset, IterableDataset):
-            raise ValueError("`precompute_ref_log_probs=True` needs a map-style Dataset, not an IterableDataset.")
+        if not _pruning(self.args) or isinstance(dataset, IterableDataset):
+            return super()._precompute_ref_logps(dataset, name, batch_size)
         if self.ref_model is None and self.is_deepspeed_enabled:
             if self._precompute_engine is None:
                 from trl.models import prepare_deepspeed
@@ -129,23 +182,39 @@ class PrunedDPOTrainer(DPOTrainer):
             model = self._precompute_engine
         else:
             model = self.ref_model or self.model
-        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
-        columns = {"ref_chosen_logps": [], "ref_rejected_logps": [], **{c: [] for c in REF_TOKEN_COLUMNS}}
+        loader = self.accelerator.prepare(DataLoader(
+            dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False,
+            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+        ))
+        sums, values, lengths = {"chosen": [], "rejected": []}, {"chosen": [], "rejected": []}, {"chosen": [], "rejected": []}
         for batch in loader:
-            batch = self._prepare_inputs(batch)
             response = batch["completion_mask"][:, 1:].bool()
-            per_token = self._reference_log_probs(model, batch, response)
+            with self.accelerator.autocast():  # as TRL's compute_ref_log_probs: bf16 mixed precision stores what stock would
+                per_token = self._reference_log_probs(model, batch, response)
             chosen_sum, rejected_sum = self._reference_sums(batch, per_token)
-            columns["ref_chosen_logps"] += chosen_sum.cpu().tolist()
-            columns["ref_rejected_logps"] += rejected_sum.cpu().tolist()
-            rows = [per_token[r][response[r]].float().cpu().tolist() for r in range(per_token.size(0))]
-            half = len(rows) // 2
-            columns[REF_TOKEN_COLUMNS[0]] += rows[:half]
-            columns[REF_TOKEN_COLUMNS[1]] += rows[half:]
+            # pad every process's batch to the same width, then gather (dataset order; duplicates of the last batch
+            # dropped, like TRL's gather_for_metrics of the sums)
+            per_token = self.accelerator.pad_across_processes(per_token.float(), dim=1)
+            response = self.accelerator.pad_across_processes(response.int(), dim=1)
+            gathered = self.accelerator.gather_for_metrics(
+                (chosen_sum, rejected_sum, *per_token.chunk(2), *response.chunk(2))
+            )
+            for i, branch in enumerate(("chosen", "rejected")):
+                branch_values, branch_response = gathered[2 + i].cpu(), gathered[4 + i].cpu().bool()
+                sums[branch].append(gathered[i].float().cpu())
+                values[branch].append(branch_values[branch_response])  # row-major: row by row, in order
+                lengths[branch].append(branch_response.sum(dim=1))
+        columns = {}
+        for branch in ("chosen", "rejected"):
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lengths[branch]).cumsum(0)])
+            columns[f"ref_{branch}_logps"] = pa.array(torch.cat(sums[branch]).numpy())
+            columns[f"ref_{branch}_token_logps"] = pa.ListArray.from_arrays(
+                pa.array(offsets.numpy().astype("int32")), pa.array(torch.cat(values[branch]).numpy())
+            )
         stale = [c for c in columns if c in dataset.column_names]
         if stale:
             dataset = dataset.remove_columns(stale)
-        return concatenate_datasets([dataset, Dataset.from_dict(columns)], axis=1)
+        return concatenate_datasets([dataset, Dataset(InMemoryTable(pa.table(columns)))], axis=1)
 
     # -------------------------------------------------------------------------------------------------------- forward
     def _next_mask_generator(self) -> torch.Generator:
@@ -171,7 +240,8 @@ class PrunedDPOTrainer(DPOTrainer):
         generator = self._next_mask_generator()
         return draw_masks(inputs["input_ids"], inputs["completion_mask"], **self._mask_options(), generator=generator)
 
-    def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, executed: torch.Tensor):
+    def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, executed: torch.Tensor,
+                      **model_kwargs):
         """Run `rows` of the batch, trimmed to the longest executed row, scoring the `scored` positions only.
 
         Returns the fused-head outputs (per-token tensors of shape (len(rows), width - 1)) and the width. An empty
@@ -196,6 +266,7 @@ class PrunedDPOTrainer(DPOTrainer):
             elif torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == total_rows:
                 value = value[rows]
             kwargs[key] = value
+        kwargs.update(model_kwargs)
         with compact_lm_head():
             outputs = model(input_ids=input_ids, labels=labels, use_cache=False, fused_lm_head=True, **kwargs)
         return outputs, width
@@ -256,8 +327,12 @@ class PrunedDPOTrainer(DPOTrainer):
             freeze = contextlib.nullcontext() if with_grad else disable_gradient_checkpointing(
                 self.model, self.args.gradient_checkpointing_kwargs
             )
+            # MoE: the router aux loss is the grad rows' own (their executed columns), as stock requests it (docs/parity.md)
+            router = {"output_router_logits": True} if with_grad and self.aux_loss_enabled else {}
             with context, freeze:
-                outputs, width = self._forward_rows(model, inputs, rows, masks.scored, masks.executed)
+                outputs, width = self._forward_rows(model, inputs, rows, masks.scored, masks.executed, **router)
+            if router:
+                self._grad_rows_aux_loss = outputs.aux_loss * (1.0 if rows.numel() else 0.0)
             tokens = max(rows.numel(), 1) * width
             self._count("policy_tokens_executed", tokens)
             if with_grad:
@@ -314,9 +389,13 @@ class PrunedDPOTrainer(DPOTrainer):
 
     # ----------------------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not self.model.training:  # evaluation is exact: TRL's own path
+        if not self.model.training or not _pruning(self.args):  # evaluation, and pruning off: TRL's own path
             inputs = {k: v for k, v in inputs.items() if k != REF_TOKEN_KEY}
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return self._pruned_loss(model, inputs, return_outputs)
+
+    def _pruned_loss(self, model, inputs, return_outputs=False):
+        """The pruned training loss: TRL's `_compute_loss` on the estimates, through the replay seam (`_Replay`)."""
         if return_outputs:
             raise ValueError("PrunedDPOTrainer does not return model outputs during training (TRL deprecated them).")
         per_token, (ref_chosen, ref_rejected) = self.concatenated_forward(model, inputs)
@@ -325,10 +404,11 @@ class PrunedDPOTrainer(DPOTrainer):
         precompute = self.precompute_ref_logps
         self.precompute_ref_logps = True  # TRL then reads the reference sums from the batch
         try:
-            loss = self._compute_loss(_Replay(**per_token), batch, return_outputs=False)
+            loss = self._compute_loss(_Replay(aux_loss=self._grad_rows_aux_loss, **per_token), batch, return_outputs=False)
         finally:
             self.precompute_ref_logps = precompute
         self._log_pruned_metrics(per_token, inputs)
+        self._relabel_stock_metrics(per_token)
         return loss
 
     def _count(self, name: str, value: int):
@@ -364,3 +444,47 @@ class PrunedDPOTrainer(DPOTrainer):
         metrics["prune/tokens_executed"].append(executed / max(full, 1))
         metrics["prune/tokens_backpropagated"].append(grad_tokens / max(full, 1))
         metrics["prune/branches_backpropagated"].append(grad_rows / max(rows, 1))
+
+    # ------------------------------------------------------------------------------------------------- metric names
+    def _relabel_stock_metrics(self, per_token):
+        """Move this step's stock-named metrics that do not estimate what stock logs to names that say what they are.
+
+        Stock-named metrics stay only where their expectation over the masks is stock's value: the per-branch sums
+        (logps, rewards, margins) and the per-token means (entropy, logits, token accuracy) are Horvitz-Thompson sums
+        over exact counts. Moved, because no unbiased value exists (docs/parity.md):
+        - `rewards/accuracies` under random position/prefix pruning: a step function of the noisy margin;
+        - `aux_loss` with pruning on: the router loss of the grad rows' executed columns only;
+        - under `prune_common_prefix`, every per-branch and per-token metric: the common prefix is never scored, so
+          they cover the response after it (token means re-estimated over those positions).
+        """
+        metrics, args = self._metrics["train"], self.args
+
+        def move(name, value=None, new=None):
+            old = metrics[name].pop()
+            metrics[new or f"prune/{name}"].append(old if value is None else value)
+
+        if self.aux_loss_enabled:
+            move("aux_loss", new="prune/aux_loss_grad_rows")
+        if args.position_keep_prob < 1 or args.prefix_prune_prob > 0:
+            move("rewards/accuracies", new="prune/rewards/accuracies_of_estimate")
+        if not args.prune_common_prefix:
+            return
+        masks = self._last_masks
+        exact_w, exact_l = masks.exact.chunk(2)
+        weights_w = masks.weights.chunk(2)[0]
+        mean_logits_w, mean_logits_l = per_token["mean_logits"].chunk(2)
+        sums = torch.stack([
+            per_token["entropy"].sum(), masks.exact.sum(),
+            mean_logits_w.sum(), exact_w.sum(), mean_logits_l.sum(), exact_l.sum(),
+            (per_token["is_top1"].chunk(2)[0].float() * weights_w).sum(),
+        ]).double().to(self.accelerator.device)
+        entropy, exact, logits_w, count_w, logits_l, count_l, top1_w = (
+            self.accelerator.gather(sums.unsqueeze(0)).sum(dim=0).tolist()
+        )
+        suffix = "_after_common_prefix"
+        move("entropy", entropy / exact if exact else 0.0, "prune/entropy" + suffix)
+        move("logits/chosen", logits_w / count_w if count_w else 0.0, "prune/logits/chosen" + suffix)
+        move("logits/rejected", logits_l / count_l if count_l else 0.0, "prune/logits/rejected" + suffix)
+        move("mean_token_accuracy", top1_w / count_w if count_w else 0.0, "prune/mean_token_accuracy" + suffix)
+        for name in ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
+            move(name, new=f"prune/{name}{suffix}")

@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # the local tokenizer and model builder; the package, uninstalled
-from conftest import char_tokenizer, preference_rows, tiny_model  # noqa: E402
+from tiny import char_tokenizer, preference_rows, tiny_model  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
