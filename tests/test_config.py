@@ -73,14 +73,18 @@ def test_fields_come_from_a_parser():
     assert args.branch_keep_prob == 0.5 and args.branch_sampling == "independent" and not args.prune_reference
 
 
-def test_trainer_needs_a_pruned_config(tokenizer, dataset, tmp_path):
-    with pytest.raises(TypeError, match="PrunedDPOConfig"):
-        build_trainer(PrunedDPOTrainer, DPOConfig, tokenizer, dataset, tmp_path)
+def test_trainer_promotes_a_plain_dpo_config_with_pruning_off(tokenizer, dataset, tmp_path):
+    """A drop-in takes stock's config: the same settings, pruning at its identity (TRL's own path)."""
+    trainer = build_trainer(PrunedDPOTrainer, DPOConfig, tokenizer, dataset, tmp_path, beta=0.3, max_steps=1)
+    assert isinstance(trainer.args, PrunedDPOConfig) and not trainer.args.pruning_enabled
+    assert trainer.args.beta == 0.3 and trainer.args.prune_seed == trainer.args.seed
+    trainer.train()
+    assert not any(k.startswith("prune/") for k in trainer.state.log_history[0])
 
 
-def test_vision_datasets_are_rejected(tokenizer, tmp_path):
+def test_vision_data_with_a_text_model_raises_trls_own_error(tokenizer, tmp_path):
     from datasets import Dataset
 
     data = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c", "images": []}])
-    with pytest.raises(ValueError, match="text datasets only"):
-        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path)
+    with pytest.raises(ValueError, match="vision-related.*vision-language model"):
+        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path, position_keep_prob=0.5)

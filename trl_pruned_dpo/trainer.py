@@ -461,6 +461,8 @@ class PrunedDPOTrainer(DPOTrainer):
 
         def move(name, value=None, new=None):
             old = metrics[name].pop()
+            if not metrics[name]:
+                del metrics[name]  # TRL's `log` averages every key: no empty list may stay behind
             metrics[new or f"prune/{name}"].append(old if value is None else value)
 
         if self.aux_loss_enabled:
