@@ -130,7 +130,7 @@ class PrunedDPOConfig(DPOConfig):
         in_range("prefix_prune_prob", 0.0, 1.0, low_open=False)
         in_range("prefix_min_ratio", 0.0, 1.0, low_open=True)
         unknown = [loss for loss in self.loss_type if loss not in TRL_LOSS_TYPES]
-        if unknown:
+        if unknown and self.pruning_enabled:  # pruning off: TRL's own (later) error, as stock
             raise ValueError(f"Unknown `loss_type` {unknown}: choose among {list(TRL_LOSS_TYPES)}.")
         if self.branch_sampling not in BRANCH_SAMPLINGS:
             raise ValueError(
