@@ -73,8 +73,9 @@ def test_moe_aux_loss_is_the_grad_rows_own_and_logged_under_its_own_name(tokeniz
     rows = torch.nonzero((masks.executed > 0) & masks.backprop).flatten()
     width = int(masks.executed[rows].max())
     with torch.no_grad():
-        expected = model(input_ids=batch["input_ids"][rows, :width], attention_mask=batch["attention_mask"][rows, :width],
-                         output_router_logits=True, use_cache=False).aux_loss
+        expected = model(input_ids=batch["input_ids"][rows, :width],
+                         attention_mask=batch["attention_mask"][rows, :width], output_router_logits=True,
+                         use_cache=False).aux_loss
     assert metrics["prune/aux_loss_grad_rows"][0] == pytest.approx(float(expected), rel=1e-5)
 
 

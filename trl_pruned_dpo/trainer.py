@@ -89,9 +89,16 @@ _VISION_ERROR = (
 )
 
 
-def _pruning(args) -> bool:
-    """Whether training takes the pruned path; with pruning off every call is TRL's own (stock, by construction)."""
-    return isinstance(args, PrunedDPOConfig) and args.pruning_enabled
+def uses_pruned_forward(args) -> bool:
+    """THE switch between the plugin's forward and TRL's own: with it False, training, the reference precompute, the
+    collator and the signature columns are stock's (exact parity by construction, docs/parity.md).
+
+    True when any estimator is on (`pruning_enabled`, which includes `prune_common_prefix`) or when an exact plugin
+    feature needs the plugin's forward (`share_prompt`, issue 9; read with getattr until that field exists).
+    """
+    if not isinstance(args, PrunedDPOConfig):
+        return False
+    return args.pruning_enabled or bool(getattr(args, "share_prompt", False))
 
 
 def _as_pruned_config(model, args):
@@ -141,7 +148,7 @@ class PrunedDPOTrainer(DPOTrainer):
 
     def __init__(self, model, ref_model=None, args: PrunedDPOConfig | None = None, *pargs, **kwargs):
         args = _as_pruned_config(model, args)
-        if _pruning(args):
+        if uses_pruned_forward(args):
             # The plugin's own refusals: only what stock accepts and the pruned forward cannot do, checked before any
             # work (TRL precomputes reference log-probs inside its constructor). Everything else is TRL's to reject.
             _check_prunable(args, kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None),
@@ -151,16 +158,20 @@ class PrunedDPOTrainer(DPOTrainer):
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         self._grad_rows_aux_loss = None
         super().__init__(model, ref_model, args, *pargs, **kwargs)
-        if _pruning(args):
+        if uses_pruned_forward(args):
             if self._is_vision_dataset:  # a processor not passed in (loaded by TRL): known only now
                 raise ValueError(_VISION_ERROR)
             if args.precompute_ref_log_probs:
                 self.data_collator = _PerTokenReferenceCollator(self.data_collator)
 
+    @property
+    def _uses_pruned_forward(self) -> bool:
+        return uses_pruned_forward(self.args)
+
     # ----------------------------------------------------------------------------------------------------------- data
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        if _pruning(self.args):  # keep the stored per-token reference columns (once, however often this is called)
+        if self._uses_pruned_forward:  # keep the per-token reference columns (once, however often it is called)
             missing = [c for c in REF_TOKEN_COLUMNS if c not in self._signature_columns]
             self._signature_columns = list(self._signature_columns) + missing
 
@@ -172,7 +183,7 @@ class PrunedDPOTrainer(DPOTrainer):
         per-token values travel as one flat float32 buffer with row offsets (an Arrow list column), never as a Python
         list per row. Kept in memory: no cache file (TRL caches only the sums).
         """
-        if not _pruning(self.args) or isinstance(dataset, IterableDataset):
+        if not self._uses_pruned_forward or isinstance(dataset, IterableDataset):
             return super()._precompute_ref_logps(dataset, name, batch_size)
         if self.ref_model is None and self.is_deepspeed_enabled:
             if self._precompute_engine is None:
@@ -186,10 +197,10 @@ class PrunedDPOTrainer(DPOTrainer):
             dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False,
             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
         ))
-        sums, values, lengths = {"chosen": [], "rejected": []}, {"chosen": [], "rejected": []}, {"chosen": [], "rejected": []}
+        sums, values, lengths = ({"chosen": [], "rejected": []} for _ in range(3))
         for batch in loader:
             response = batch["completion_mask"][:, 1:].bool()
-            with self.accelerator.autocast():  # as TRL's compute_ref_log_probs: bf16 mixed precision stores what stock would
+            with self.accelerator.autocast():  # as TRL's compute_ref_log_probs: bf16 stores what stock stores
                 per_token = self._reference_log_probs(model, batch, response)
             chosen_sum, rejected_sum = self._reference_sums(batch, per_token)
             # pad every process's batch to the same width, then gather (dataset order; duplicates of the last batch
@@ -327,7 +338,7 @@ class PrunedDPOTrainer(DPOTrainer):
             freeze = contextlib.nullcontext() if with_grad else disable_gradient_checkpointing(
                 self.model, self.args.gradient_checkpointing_kwargs
             )
-            # MoE: the router aux loss is the grad rows' own (their executed columns), as stock requests it (docs/parity.md)
+            # MoE: the router aux loss is the grad rows' own, over their executed columns (docs/parity.md)
             router = {"output_router_logits": True} if with_grad and self.aux_loss_enabled else {}
             with context, freeze:
                 outputs, width = self._forward_rows(model, inputs, rows, masks.scored, masks.executed, **router)
@@ -389,7 +400,7 @@ class PrunedDPOTrainer(DPOTrainer):
 
     # ----------------------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not self.model.training or not _pruning(self.args):  # evaluation, and pruning off: TRL's own path
+        if not self.model.training or not self._uses_pruned_forward:  # evaluation, and pruning off: TRL's own path
             inputs = {k: v for k, v in inputs.items() if k != REF_TOKEN_KEY}
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         return self._pruned_loss(model, inputs, return_outputs)
@@ -404,7 +415,8 @@ class PrunedDPOTrainer(DPOTrainer):
         precompute = self.precompute_ref_logps
         self.precompute_ref_logps = True  # TRL then reads the reference sums from the batch
         try:
-            loss = self._compute_loss(_Replay(aux_loss=self._grad_rows_aux_loss, **per_token), batch, return_outputs=False)
+            replay = _Replay(aux_loss=self._grad_rows_aux_loss, **per_token)
+            loss = self._compute_loss(replay, batch, return_outputs=False)
         finally:
             self.precompute_ref_logps = precompute
         self._log_pruned_metrics(per_token, inputs)
@@ -465,7 +477,7 @@ class PrunedDPOTrainer(DPOTrainer):
                 del metrics[name]  # TRL's `log` averages every key: no empty list may stay behind
             metrics[new or f"prune/{name}"].append(old if value is None else value)
 
-        if self.aux_loss_enabled:
+        if self.aux_loss_enabled and args.pruning_enabled:
             move("aux_loss", new="prune/aux_loss_grad_rows")
         if args.position_keep_prob < 1 or args.prefix_prune_prob > 0:
             move("rewards/accuracies", new="prune/rewards/accuracies_of_estimate")
