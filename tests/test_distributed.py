@@ -194,7 +194,7 @@ def test_pruning_off_matches_stock_on_two_processes(engine_run):
             for key, value in hs.items():
                 if isinstance(value, float) and key not in ("epoch", "learning_rate"):
                     assert ho[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (rank, hs["step"], key)
-            assert ho["prune/branches_backpropagated"] == 1.0 and ho["prune/positions_scored"] == 1.0
+            assert not any(k.startswith("prune/") for k in ho)  # pruning off is TRL's own path: stock's metrics
     w_stock, w_off = weights(out, "stock", 0), weights(out, "off", 0)
     for key in w_stock:
         torch.testing.assert_close(w_off[key], w_stock[key], rtol=1e-4, atol=1e-6, msg=key)

@@ -226,3 +226,16 @@ def test_replay_seam_assumptions(tokenizer, dataset, tmp_path, monkeypatch):
     appended = {k for k in after if after[k] != before.get(k, 0)}
     assert all(after[k] - before.get(k, 0) == 1 for k in appended)
     assert {"mean_token_accuracy", "rewards/accuracies", "logps/chosen"} <= appended
+
+
+def test_moe_with_peft_trains_with_pruning_on(tokenizer, dataset, tmp_path):
+    from peft import LoraConfig
+
+    args = PrunedDPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to="none",
+                           bf16=False, position_keep_prob=0.5, branch_keep_prob=0.5, logging_steps=1)
+    trainer = PrunedDPOTrainer(model=tiny_moe_model(tokenizer, "mixtral"), args=args, train_dataset=dataset,
+                               processing_class=tokenizer,
+                               peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert torch.isfinite(torch.tensor(logged["loss"])) and "prune/aux_loss_grad_rows" in logged

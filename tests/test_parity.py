@@ -229,3 +229,25 @@ def test_model_card_tags(tmp_path):
                     train_dataset=data(), processing_class=TOKENIZER)
         tags[trainer_cls] = list(model.model_tags)
     assert tags[PrunedDPOTrainer] == tags[DPOTrainer] + ["trl-pruned-dpo"]
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+@pytest.mark.parametrize("kind", ["iterable_dataset", "dict_of_dataset"])
+def test_evaluate_with_pruning_on_matches_stock(kind, precompute, tmp_path):
+    """Evaluation is never pruned: with pruning on, `evaluate` ends as stock's (the same error, or the same metrics up
+    to round-off: the plugin's precomputed reference sums come from its compact head)."""
+    def scenario(trainer_cls, config_cls, out):
+        pruning = {"position_keep_prob": 0.5} if config_cls is PrunedDPOConfig else {}
+        args = config_cls(output_dir=out, **{**ARGS, "precompute_ref_log_probs": precompute, **pruning})
+        trainer = trainer_cls(model=saved(), args=args, train_dataset=data(2), processing_class=TOKENIZER)
+        return trainer.evaluate(eval_dataset=eval_split(kind))
+
+    stock = outcome(scenario, STOCK, tmp_path / "run")
+    plugin = outcome(scenario, PLUGIN, tmp_path / "run")
+    assert stock[0] == plugin[0]
+    if stock[0] == "raised":
+        assert plugin[1:] == stock[1:] and precompute and "iterable" in kind
+        return
+    for key, value in stock[1].items():
+        if not key.endswith(VOLATILE):
+            assert plugin[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

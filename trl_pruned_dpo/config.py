@@ -1,7 +1,7 @@
 """`PrunedDPOConfig`: TRL's `DPOConfig` plus the sampling probabilities of the three prunings.
 
 Data only, like `DPOConfig`: the field help is the documentation, and `__post_init__` rejects values that cannot work
-before any model is loaded. The semantics of every field are in docs/method.md (derived in shared METHOD.md).
+before any model is loaded. The semantics of every field are in docs/method.md.
 """
 
 from dataclasses import dataclass, field
