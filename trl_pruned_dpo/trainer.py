@@ -9,7 +9,8 @@ forward, then the loss and metrics):
   (estimators.py) for the policy and the reference.
 - `compute_loss` hands those terms to TRL's own `_compute_loss` through a replay "model", so every TRL loss,
   `ld_alpha`, `use_weighting` and every TRL metric run unchanged on unbiased estimates of what they consume.
-- Evaluation is never pruned: it is TRL's own path.
+- Evaluation is never pruned: it is TRL's own path. So is training whenever `uses_pruned_forward(args)` is false
+  (pruning off): a drop-in by construction (docs/parity.md).
 - With `precompute_ref_log_probs=True` the per-token reference log-probs are stored (not just their sums) so the
   same masks apply to them.
 """
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import pyarrow as pa
 import torch
 from accelerate.utils import is_peft_model
-import pyarrow as pa
 from datasets import Dataset, IterableDataset, concatenate_datasets
 from datasets.table import InMemoryTable
 from torch.utils.data import DataLoader
@@ -136,7 +137,6 @@ def _check_prunable(args: PrunedDPOConfig, train_dataset, processing_class):
             raise ValueError(_VISION_ERROR)
 
 
-
 class PrunedDPOTrainer(DPOTrainer):
     """DPO with stochastic pruning of the computation graph. Same constructor as `trl.DPOTrainer`.
 
@@ -152,7 +152,7 @@ class PrunedDPOTrainer(DPOTrainer):
             # The plugin's own refusals: only what stock accepts and the pruned forward cannot do, checked before any
             # work (TRL precomputes reference log-probs inside its constructor). Everything else is TRL's to reject.
             _check_prunable(args, kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None),
-                            kwargs.get("processing_class", pargs[4] if len(pargs) > 4 else None))
+                            kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None))
             check_compact_lm_head()
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
