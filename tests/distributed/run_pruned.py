@@ -53,6 +53,9 @@ BASE_CONFIG = dict(
 )
 
 
+STORED_REFERENCE = ("ref_chosen_logps", "ref_rejected_logps", "ref_chosen_token_logps", "ref_rejected_token_logps")
+
+
 def build(run: dict, out: Path, tokenizer, dataset):
     pruned = run.get("trainer", "pruned") == "pruned"
     config_cls, trainer_cls = (PrunedDPOConfig, PrunedDPOTrainer) if pruned else (DPOConfig, DPOTrainer)
@@ -202,6 +205,8 @@ def main():
             "global_step": trainer.state.global_step,
             "log_history": trainer.state.log_history,
             "draws": draws,
+            # the precomputed reference (each rank computed a shard; every rank must hold the whole, in order)
+            "stored_reference": {c: v for c, v in trainer.train_dataset[:].items() if c in STORED_REFERENCE},
         }
         (folder / f"rank{rank}.json").write_text(json.dumps(report))
         trainer.accelerator.wait_for_everyone()
