@@ -3,7 +3,7 @@
 The imports fail at import time if TRL moves them. What an import cannot see, whether TRL's fused LM head still honours
 the switch that makes it score only the labelled positions, is checked by behaviour: `check_compact_lm_head` runs a
 tiny forward once and counts the rows that actually reach the head's matrix product. The replay seam into TRL's
-`_compute_loss` is pinned by tests (tests/test_replay_seam.py), not here.
+`_compute_loss` is pinned by tests (tests/test_dropin.py::test_replay_seam_assumptions), not here.
 """
 
 from contextlib import contextmanager
