@@ -533,13 +533,25 @@ def silence_library_noise() -> None:
         lambda record: "gemm_4bit_forward" not in record.getMessage())
 
 
+def _compare(script_args, training_args, model_args, dataset_args, launch_args) -> int:
+    if launch_args:
+        raise InputError(f"--compare runs both trainers in this process: drop the accelerate options {launch_args}.")
+    from .demo.compare import compare
+
+    return compare(script_args, training_args, model_args, dataset_args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console script `trl-pruned-dpo` and `python -m trl_pruned_dpo`. Returns the exit code."""
     started = _PROGRAM_STARTED if argv is None else time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     silence_library_noise()
+    compare = "--compare" in argv  # stock DPOTrainer, then the pruned one, side by side (demo/compare.py)
+    argv = [a for a in argv if a != "--compare"]
     try:
         script_args, training_args, model_args, dataset_args, launch_args, cli_remaining = parse(argv)
+        if compare:
+            return _compare(script_args, training_args, model_args, dataset_args, launch_args)
         if launch_args and not _under_launcher():
             return launch(launch_args, _without(argv, cli_remaining))
         return train(script_args, training_args, model_args, dataset_args, started)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from ._trl import DPOTrainer, compact_lm_head, disable_gradient_checkpointing, use_adapter
 from .config import PrunedDPOConfig
+from .data_checks import check_training_pairs
 from .estimators import horvitz_thompson, scale_branch_gradient
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
 
@@ -102,6 +103,7 @@ class PrunedDPOTrainer(DPOTrainer):
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         super().__init__(model, ref_model, args, *pargs, **kwargs)
+        check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (data_checks.py)
         if self.aux_loss_enabled:
             raise ValueError(
                 "PrunedDPOTrainer does not support the MoE router auxiliary loss: set `router_aux_loss_coef=0.0`."
