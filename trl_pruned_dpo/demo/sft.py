@@ -40,7 +40,7 @@ class SFTRecipe:
 SFT_MODELS = {"tiny-demo-sft": SFTRecipe()}
 
 
-def _examples(recipe: SFTRecipe, seed: int) -> list[dict[str, str]]:
+def sft_examples(recipe: SFTRecipe, seed: int) -> list[dict[str, str]]:
     """SFT examples of the recipe's task and sizes, none with a prompt of the DPO dataset's train or test split."""
     task, low, high, _ = BUILTIN_VARIANTS[recipe.dataset]
     held = {p for split in load_builtin(recipe.dataset, seed).values() for p in split["prompt"]}
@@ -71,7 +71,7 @@ def fine_tune(model, recipe: SFTRecipe, seed: int = 0, log=None):
     global RNGs untouched."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     tokenizer = build_tokenizer()
-    rows = _examples(recipe, seed)
+    rows = sft_examples(recipe, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
 
     def lr_factor(step):  # linear warmup, then cosine down to a tenth
