@@ -126,8 +126,8 @@ def parse(argv: list[str]):
         if not (_split_remaining(config_remaining + cli_remaining, _accelerate_options())[0] and
                 not _under_launcher()):
             message = " ".join(str(error).split())
-            if "bf16" in message:  # transformers suggests `use_cpu`; the usual cause is DPOConfig's bf16=True default
-                message += " (DPOConfig defaults to bf16=True: without a bf16 device pass `--bf16 false`.)"
+            if "bf16" in message:  # transformers suggests `use_cpu`; here bf16 was asked for explicitly
+                message += " (bf16 was set to true: without a bf16 device pass `--bf16 false`, or leave it unset.)"
             raise InputError(f"invalid configuration: {message} Fix it in the YAML or on the command line.") from None
     known = _accelerate_options()
     config_launch, config_unknown = _split_remaining(config_remaining, known)
