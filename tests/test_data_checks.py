@@ -26,10 +26,12 @@ def test_clean_pairs_raise_no_warning(tokenizer, tmp_path):
 def test_degenerate_pairs_are_counted_with_an_example_index(tokenizer, tmp_path):
     rows = preference_rows(8)
     rows[2] = {**rows[2], "rejected": rows[2]["chosen"]}  # identical
-    rows[5] = {**rows[5], "chosen": ""}  # empty response
+    rows[4] = {**rows[4], "chosen": "", "rejected": ""}  # both empty: identical too
+    rows[5] = {**rows[5], "chosen": ""}  # one empty response: the EOS still carries a signal
     messages = build(tokenizer, rows, tmp_path)
-    assert len(messages) == 1 and "2 of 8 training pairs (25.0%) are degenerate" in messages[0], messages
-    assert "row 2" in messages[0]
+    assert len(messages) == 2, messages
+    assert "2 of 8 training pairs (25.0%) are degenerate" in messages[0] and "row 2:" in messages[0], messages
+    assert "1 of 8 training pairs (12.5%) have an empty response" in messages[1] and "row 5" in messages[1]
 
 
 def test_all_degenerate_is_refused(tokenizer, tmp_path):

@@ -1,10 +1,10 @@
 """Checks of the prepared (tokenized) training pairs that stock TRL leaves silent.
 
-- Degenerate pairs: `chosen` identical to `rejected`, or a response with no token besides the EOS TRL appends. An
-  identical pair has D_w - D_l = 0 whatever the policy, so it contributes no gradient at all (an empty response
-  gives a pair with nothing to score on one side); a dataset of them trains to `grad_norm 0`, `positions scored 0%`
-  and reward accuracy 0 without a word. Counted, with one example index, in one warning; a dataset where every pair
-  is degenerate is refused.
+- Degenerate pairs: `chosen` identical to `rejected` (two empty responses included). Such a pair has
+  D_w - D_l = 0 whatever the policy, so it contributes no gradient at all; a dataset of them trains to
+  `grad_norm 0`, `positions scored 0%` and reward accuracy 0 without a word. Counted, with one example index, in one
+  warning; a dataset where every pair is degenerate is refused. A pair with one empty response (nothing but the EOS
+  TRL appends) still has a signal, the EOS: it is counted in a warning of its own, usually a preprocessing slip.
 - Truncation: the collator cuts every prompt+response sequence to `max_length`; the share of pairs that lose
   response tokens is reported in one warning. TRL drops the pairs whose prompt alone fills `max_length`; if that is
   every pair, training would fail later with an unrelated error, so it is refused here.
@@ -35,14 +35,17 @@ def check_training_pairs(trainer, given) -> None:
         raise ValueError(
             f"Every one of the {n_before} training pairs was dropped because its prompt alone fills `max_length` "
             f"({max_length}) tokens: nothing is left to train on. Raise `max_length` (or shorten the prompts).")
-    degenerate, first, truncated = 0, None, 0
+    degenerate, first, empty, first_empty, truncated = 0, None, 0, None, 0
     for start in range(0, len(prepared), _BATCH):
         rows = prepared[start : start + _BATCH]
         for offset, (prompt, chosen, rejected) in enumerate(
                 zip(rows["prompt_ids"], rows["chosen_ids"], rows["rejected_ids"])):
-            if chosen == rejected or not _response(chosen, eos_id) or not _response(rejected, eos_id):
+            if chosen == rejected:
                 degenerate += 1
                 first = start + offset if first is None else first
+            elif not _response(chosen, eos_id) or not _response(rejected, eos_id):
+                empty += 1
+                first_empty = start + offset if first_empty is None else first_empty
             # keep_start cuts the end of prompt + response; keep_end cuts the start, the prompt first.
             longest = max(len(chosen), len(rejected)) + (len(prompt) if keep_start else 0)
             if max_length is not None and longest > max_length:
@@ -54,13 +57,17 @@ def check_training_pairs(trainer, given) -> None:
             f"{max_length} tokens). Raise `max_length` to keep them.", UserWarning, stacklevel=3)
     if degenerate == total:
         raise ValueError(
-            f"Every training pair is degenerate ({total} of {total}: `chosen` identical to `rejected`, or an empty "
-            "response): DPO gets no gradient from such pairs. Check the dataset's columns and preprocessing.")
+            f"Every training pair is degenerate ({total} of {total}: `chosen` identical to `rejected`): DPO gets no "
+            "gradient from such pairs. Check the dataset's columns and preprocessing.")
     if degenerate:
         warnings.warn(
             f"{degenerate} of {total} training pairs ({100 * degenerate / total:.1f}%) are degenerate (`chosen` "
-            f"identical to `rejected`, or an empty response), e.g. prepared row {first}: they add no gradient. "
-            "Remove them from the dataset.", UserWarning, stacklevel=3)
+            f"identical to `rejected`), e.g. prepared row {first}: they add no gradient. Remove them from the "
+            "dataset.", UserWarning, stacklevel=3)
+    if empty:
+        warnings.warn(
+            f"{empty} of {total} training pairs ({100 * empty / total:.1f}%) have an empty response (only the EOS), "
+            f"e.g. prepared row {first_empty}. Check the dataset's preprocessing.", UserWarning, stacklevel=3)
     if truncated:
         kept = "start" if keep_start else "end"
         warnings.warn(
