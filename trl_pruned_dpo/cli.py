@@ -12,7 +12,8 @@ Departures from `trl dpo`, all on purpose:
 - bad input (missing config, unknown key, invalid value, missing columns, unreachable model or dataset) is reported
   as one line naming the problem and the fix, exit code 2, before the output folder is created;
 - when an eval split is configured, the run ends with an evaluation, and prints a summary of what ran (steps, time,
-  and the fractions of the graph that pruning kept, read from the logged `prune/*` metrics).
+  and the fractions of the graph that pruning kept, read from the logged `prune/*` metrics);
+- `--compare` trains stock `trl.DPOTrainer`, then `PrunedDPOTrainer`, on the same config and prints both (demo/compare.py).
 """
 
 import os
