@@ -6,7 +6,6 @@
   paths exist; nothing is trained: the end-to-end runs are in test_cli.py).
 """
 
-import os
 import re
 import shlex
 from pathlib import Path
