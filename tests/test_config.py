@@ -89,3 +89,22 @@ def test_vision_data_with_a_text_model_raises_trls_own_error(tokenizer, tmp_path
     data = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c", "images": []}])
     with pytest.raises(ValueError, match="vision-related.*vision-language model"):
         build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path, position_keep_prob=0.5)
+
+
+def test_unset_bf16_follows_the_hardware_and_explicit_values_are_kept():
+    """DPOConfig's unset bf16 means True, which transformers refuses on a machine without bf16 (this CPU CI)."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    unset = PrunedDPOConfig(output_dir="unused", report_to="none")
+    assert unset.bf16 is is_torch_bf16_gpu_available()
+    assert PrunedDPOConfig(output_dir="unused", report_to="none", bf16=False).bf16 is False
+    assert PrunedDPOConfig(output_dir="unused", report_to="none", fp16=False, use_cpu=True).bf16 is True  # as stock
+    if not is_torch_bf16_gpu_available():
+        with pytest.raises(ValueError, match="bf16"):  # explicit bf16 on a machine without it: refused, not changed
+            PrunedDPOConfig(output_dir="unused", report_to="none", bf16=True)
+
+
+@pytest.mark.parametrize("seed", ["abc", 1.5, True])
+def test_prune_seed_must_be_an_integer(seed):
+    with pytest.raises(TypeError, match="prune_seed"):
+        config(prune_seed=seed)

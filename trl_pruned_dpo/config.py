@@ -28,6 +28,10 @@ class PrunedDPOConfig(DPOConfig):
     Configuration of [`PrunedDPOTrainer`]: every [`~trl.DPOConfig`] field, plus the pruning fields below. With the
     defaults (keep probabilities 1, no prefix pruning) training is the stock DPO computation.
 
+    One departure from `DPOConfig`'s defaults: `bf16` left unset becomes `False` on a machine without bf16 support
+    (no bf16 GPU, no XLA: e.g. a CPU-only one), where `DPOConfig`'s unset-means-`True` makes transformers refuse to
+    start. Everywhere stock TRL runs, the value is stock's; an explicit `bf16=True` is never changed.
+
     Parameters:
         position_keep_prob (`float`, *optional*, defaults to `1.0`):
             Probability that a response position is scored by the LM head (position pruning). Kept positions are
@@ -55,7 +59,7 @@ class PrunedDPOConfig(DPOConfig):
             single-branch estimates noisy. With it on, the logged per-branch rewards and log-probs exclude the
             common prefix (their difference, the margin, is unchanged).
         prune_seed (`int`, *optional*):
-            Seed of the mask generator. Defaults to `seed`. Masks are a function of (prune_seed, global step,
+            Seed of the mask generator (an integer). Defaults to `seed`. Masks are a function of (prune_seed, global step,
             micro-step, process rank) only; they never draw from the global RNG.
     """
 
@@ -110,10 +114,29 @@ class PrunedDPOConfig(DPOConfig):
         )
 
     def __post_init__(self):
+        self._default_bf16_to_hardware()
         super().__post_init__()
         self._validate_pruning()
+        self._validate_prune_seed()
         if self.prune_seed is None:
             self.prune_seed = self.seed
+
+    def _default_bf16_to_hardware(self):
+        """`bf16` left unset means "bf16 where this machine has it": DPOConfig turns an unset `bf16` into True,
+        which transformers then refuses on a machine without bf16 (a CPU-only one). Only that case changes, to fp32;
+        wherever stock TRL would run, the value is stock's, and an explicit `bf16=True` is passed through (and
+        refused there, by transformers, naming the option)."""
+        if self.bf16 is not None or self.fp16 or self.use_cpu:
+            return
+        from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+        if not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+            self.bf16 = False
+
+    def _validate_prune_seed(self):
+        # The CLI's parser already insists on an int; a Python caller gets the same check (bool is an int: refuse it).
+        if self.prune_seed is not None and (isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int)):
+            raise TypeError(f"`prune_seed` must be an integer or None, got {self.prune_seed!r}.")
 
     def _validate_pruning(self):
         def in_range(name, low, high, low_open):

@@ -39,6 +39,7 @@ from ._trl import (
     use_adapter,
 )
 from .config import PrunedDPOConfig
+from .data_checks import check_training_pairs
 from .estimators import horvitz_thompson, scale_branch_gradient
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
 
@@ -148,16 +149,17 @@ class PrunedDPOTrainer(DPOTrainer):
 
     def __init__(self, model, ref_model=None, args: PrunedDPOConfig | None = None, *pargs, **kwargs):
         args = _as_pruned_config(model, args)
+        train_dataset = kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None)
         if uses_pruned_forward(args):
             # The plugin's own refusals: only what stock accepts and the pruned forward cannot do, checked before any
             # work (TRL precomputes reference log-probs inside its constructor). Everything else is TRL's to reject.
-            _check_prunable(args, kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None),
-                            kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None))
+            _check_prunable(args, train_dataset, kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None))
             check_compact_lm_head()
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         self._grad_rows_aux_loss = None
         super().__init__(model, ref_model, args, *pargs, **kwargs)
+        check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (data_checks.py)
         if uses_pruned_forward(args):
             if self._is_vision_dataset:  # a processor not passed in (loaded by TRL): known only now
                 raise ValueError(_VISION_ERROR)
