@@ -53,7 +53,7 @@ def largest_inverse_weight(args) -> float:
     weight = 1.0 / args.position_keep_prob / args.branch_keep_prob
     if args.prefix_prune_prob > 0:
         # q_t is smallest at the last token of the longest response: (1 - p) + p / (L - k0 + 1), k0 = ceil(r L)
-        longest = args.max_completion_length or args.max_length or 1024
+        longest = getattr(args, "max_completion_length", None) or args.max_length or 1024
         span = longest - math.ceil(args.prefix_min_ratio * longest) + 1
         weight /= (1.0 - args.prefix_prune_prob) + args.prefix_prune_prob / max(span, 1)
     return weight
