@@ -432,10 +432,13 @@ class PrunedDPOTrainer(DPOTrainer):
     def _logging_window(self) -> dict:
         """What the Trainer and TRL have accumulated since the last log: restored on resume, so that a resumed run
         logs (and summarises) the same numbers as an uninterrupted one."""
+        if not hasattr(self, "_tr_loss"):  # saved outside `train()`: no window open
+            return {}
         return {
             "tr_loss": float(self._tr_loss),
             "last_logged": self._globalstep_last_logged,
             "metrics": {key: list(values) for key, values in self._metrics["train"].items()},
+            "total_train_tokens": getattr(self, "_total_train_tokens", 0),  # TRL's `num_tokens` counter, which TRL does not restore
         }
 
     def _restore_logging_window(self, window: dict) -> None:
@@ -445,6 +448,7 @@ class PrunedDPOTrainer(DPOTrainer):
         self._globalstep_last_logged = window["last_logged"]
         for key, values in window["metrics"].items():
             self._metrics["train"][key][:0] = values
+        self._total_train_tokens = window.get("total_train_tokens", 0)
         self.restored_logging_window = True
 
     def _save_checkpoint(self, model, trial):
