@@ -442,8 +442,8 @@ def test_nan_loss_stops_without_checkpointing_it(tokenizer, data, tmp_path, monk
         return loss * math.nan if self.state.global_step == 3 else loss
 
     monkeypatch.setattr(PrunedDPOTrainer, "compute_loss", poisoned)
-    with pytest.raises(TrainingDiverged, match=r"diverged at step 4: loss is nan.*last complete checkpoint is "
-                                               r".*checkpoint-3"):
+    with pytest.raises(TrainingDiverged, match=r"diverged at step 4: loss is nan.*resume from the last "
+                                               r"complete checkpoint, .*checkpoint-3;"):
         trainer.train()
     assert not (tmp_path / "checkpoint-4").exists()
     # opting out trains on (and the summary's worst values show it)

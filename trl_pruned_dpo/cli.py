@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .run_control import (
-    RUN_ERRORS, OutputLock, closing_lines, disk_full_as_error, exit_code, preflight, remember_command, stop_on_signals,
+    RUN_ERRORS, closing_lines, disk_full_as_error, exit_code, output_lock, preflight, remember_command, stop_on_signals,
 )
 
 PROG = "trl-pruned-dpo"
@@ -412,7 +412,7 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
-    with _OutputGuard(training_args.output_dir), OutputLock(training_args.output_dir):
+    with _OutputGuard(training_args.output_dir), output_lock(training_args.output_dir):
         try:
             trainer = PrunedDPOTrainer(
                 model=model_path,

@@ -12,16 +12,16 @@
 import os
 import shlex
 import signal
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from . import checkpoints
 from .checkpoints import DiskFullError, ResumeError, disk_full_as_error
 from .guards import EmptyTrainingSet, TrainingDiverged
-from .output_dir import OutputDirError, OutputLock, check_free, check_writable
+from .output_dir import OutputDirError, OutputLock, check_free, check_writable  # noqa: F401 - OutputLock re-exported
 
-__all__ = ["RUN_ERRORS", "OutputLock", "closing_lines", "disk_full_as_error", "exit_code", "preflight",
-           "remember_command", "stop_on_signals"]
+__all__ = ["RUN_ERRORS", "closing_lines", "disk_full_as_error", "exit_code", "output_lock",
+           "preflight", "remember_command", "stop_on_signals"]
 
 # Failures the command line reports in one line: bad input (exit 2) or a run that could not go on (exit 1).
 _INPUT_ERRORS = (ResumeError, OutputDirError, EmptyTrainingSet)
@@ -56,11 +56,22 @@ def resume_command() -> str:
     return shlex.join([PROG, *args, "--resume_from_checkpoint", "true"])
 
 
+def _is_main_process() -> bool:
+    """The process that owns the run's lock: the only one, or global rank 0 under a launcher."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def preflight(training_args) -> None:
     """One-line errors (OutputDirError, ResumeError) before any work: writable, not in use, resumable."""
     check_writable(training_args.output_dir)
-    check_free(training_args.output_dir)
+    if _is_main_process():  # the other ranks would see their own run's lock
+        check_free(training_args.output_dir)
     checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args)
+
+
+def output_lock(output_dir):
+    """`OutputLock(output_dir)` in the main process; nothing in the other ranks of the same run."""
+    return OutputLock(output_dir) if _is_main_process() else nullcontext()
 
 
 @dataclass
@@ -107,8 +118,9 @@ def stop_on_signals(trainer):
         request.signal_name = signal.Signals(number).name
         for sig, old in previous.items():  # a second signal acts as it would have without us
             signal.signal(sig, old)
-        print(f"{PROG}: {request.signal_name} received: stopping after this step and saving a checkpoint "
-              "(send it again to stop at once).", flush=True)
+        if _is_main_process():
+            print(f"{PROG}: {request.signal_name} received: stopping after this step and saving a checkpoint "
+                  "(send it again to stop at once).", flush=True)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, handler)

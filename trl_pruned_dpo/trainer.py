@@ -420,10 +420,11 @@ class PrunedDPOTrainer(DPOTrainer):
             problem = self.divergence_guard.observe(self.state.global_step, float(loss), norm)
             if problem is not None and self.args.stop_on_divergence:
                 last = checkpoints.last_complete(self._get_output_dir(trial=None))
+                restart = f"resume from the last complete checkpoint, {last}" if last else "start again"
                 self._diverged = (
                     f"training diverged at step {self.state.global_step}: {problem}. Stopped without checkpointing "
-                    f"it; the last complete checkpoint is {last or 'none'}. Lower learning_rate (or raise the keep "
-                    "probabilities) and resume from it, or pass --stop_on_divergence false to train on."
+                    f"it. Lower learning_rate (or raise the keep probabilities) and {restart}; or pass "
+                    "--stop_on_divergence false to train on."
                 )
                 self.control.should_save = self.control.should_evaluate = False
                 self.control.should_training_stop = True
