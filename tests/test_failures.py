@@ -182,7 +182,8 @@ def test_interrupted_save_is_skipped_and_resume_matches_uninterrupted(stage, tok
     from transformers.trainer_utils import get_last_checkpoint
     assert Path(get_last_checkpoint(str(tmp_path))).name == "checkpoint-4"
 
-    path, note = checkpoints.resolve_resume(True, PrunedDPOConfig(output_dir=str(tmp_path), bf16=False))
+    pruning = {k: v for k, v in SAVE.items() if k in checkpoints.PRUNING_FIELDS}
+    path, note = checkpoints.resolve_resume(True, PrunedDPOConfig(output_dir=str(tmp_path), bf16=False, **pruning))
     assert Path(path).name == "checkpoint-2" and "skipped incomplete checkpoint-4" in note
     if stage != "optimizer.pt":
         return  # resuming from checkpoint-2 is the same in every case: trained once below
