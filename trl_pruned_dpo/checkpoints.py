@@ -31,6 +31,9 @@ PRUNING_FIELDS = (
 )
 OVERRIDE_FLAG = "allow_pruning_change_on_resume"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# Not part of a checkpoint's content: the marker itself, and the sentinel transformers' JIT checkpoint writes before
+# calling `_save_checkpoint` and removes after it (it would be listed, then missing).
+_NOT_CONTENT = {MARKER, MARKER + ".tmp", "checkpoint-is-incomplete.txt"}
 
 
 class ResumeError(ValueError):
@@ -72,7 +75,7 @@ def mark_complete(folder: str | os.PathLike, args, step: int) -> None:
     """Write the completion marker of `folder`: every file flushed to disk first, then the manifest, atomically."""
     folder = Path(folder)
     files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in _NOT_CONTENT):
         _fsync(path)
         files[path.relative_to(folder).as_posix()] = path.stat().st_size
     for directory in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
