@@ -388,9 +388,9 @@ class PrunedDPOTrainer(DPOTrainer):
         if self.train_dataset is not None:
             check_not_empty(self.train_dataset, self.args)
         resume, note = checkpoints.resolve_resume(resume_from_checkpoint, self.args)
-        if note:
+        if note and self.is_world_process_zero():
             logging.get_logger(__name__).warning(note)
-        self.resumed_from = resume
+        self.resumed_from, self.restored_logging_window = resume, False
         self.divergence_guard = DivergenceGuard()
         self._step_loss, self._diverged, self._pending_run_state = None, None, None
         if resume is not None:
