@@ -49,14 +49,15 @@ SAVE = dict(max_steps=6, save_strategy="steps", save_steps=2, logging_steps=3, b
 class OfflineCli:
     """The command line in this process on the offline demo (configs/demo.yaml), output captured."""
 
-    def __init__(self, capfd, cache):
+    def __init__(self, capfd, cache, dataset):
         self.capfd = capfd
+        self.dataset = dataset
         self.env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
-    @staticmethod
-    def args(out, *extra) -> list[str]:
-        return ["--config", str(REPO / "configs" / "demo.yaml"), "--output_dir", str(out), "--max_steps", "4",
+    def args(self, out, *extra) -> list[str]:
+        return ["--config", str(REPO / "configs" / "demo.yaml"), "--dataset_name", str(self.dataset),
+                "--output_dir", str(out), "--max_steps", "4",
                 "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "3", "--eval_strategy", "no",
                 "--disable_tqdm", "true", *extra]
 
@@ -79,11 +80,18 @@ def offline_cli(monkeypatch, capfd, tmp_path_factory):
     from huggingface_hub import constants
 
     cache = tmp_path_factory.getbasetemp() / "demo-cache"
+    dataset = tmp_path_factory.getbasetemp() / "small-mix"
+    if not dataset.is_dir():  # the demo task, 64 pairs instead of 4096: tokenizing those would dominate each run
+        from trl_pruned_dpo.demo.tasks import make_splits
+
+        dataset.mkdir()
+        for split, rows in make_splits("mix", 64, 16).items():
+            rows.to_json(str(dataset / f"{split}.jsonl"))
     monkeypatch.setenv("TRL_PRUNED_DPO_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    return OfflineCli(capfd, cache)
+    return OfflineCli(capfd, cache, dataset)
 
 
 @pytest.fixture()
