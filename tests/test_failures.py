@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 from pathlib import Path
 

@@ -439,7 +439,8 @@ class PrunedDPOTrainer(DPOTrainer):
             "tr_loss": float(self._tr_loss),
             "last_logged": self._globalstep_last_logged,
             "metrics": {key: list(values) for key, values in self._metrics["train"].items()},
-            "total_train_tokens": getattr(self, "_total_train_tokens", 0),  # TRL's `num_tokens` counter, which TRL does not restore
+            # TRL's `num_tokens` counter, which TRL itself does not restore on resume
+            "total_train_tokens": getattr(self, "_total_train_tokens", 0),
         }
 
     def _restore_logging_window(self, window: dict) -> None:
