@@ -25,7 +25,8 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .run_control import (
-    RUN_ERRORS, closing_lines, disk_full_as_error, exit_code, output_lock, preflight, remember_command, stop_on_signals,
+    RUN_ERRORS, closing_lines, disk_full_as_error, exit_code, launcher_stop_code, output_lock, preflight, remember_command,
+    stop_on_signals,
 )
 
 PROG = "trl-pruned-dpo"
@@ -183,6 +184,11 @@ def launch(launch_args: list[str], training_argv: list[str]) -> int:
         launch_command(args)
     except subprocess.CalledProcessError as error:  # the children printed their own error
         return error.returncode or 1
+    except Exception as error:  # SIGTERM/SIGINT forwarded to the children, which stopped and said so (run_control.py)
+        code = launcher_stop_code(error)
+        if code is None:
+            raise
+        return code
     return 0
 
 

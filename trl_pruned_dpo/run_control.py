@@ -9,6 +9,7 @@
   or where the run stopped.
 """
 
+import json
 import os
 import shlex
 import signal
@@ -20,8 +21,8 @@ from .checkpoints import DiskFullError, ResumeError, disk_full_as_error
 from .guards import EmptyTrainingSet, TrainingDiverged
 from .output_dir import OutputDirError, OutputLock, check_free, check_writable  # noqa: F401 - OutputLock re-exported
 
-__all__ = ["RUN_ERRORS", "closing_lines", "disk_full_as_error", "exit_code", "output_lock",
-           "preflight", "remember_command", "stop_on_signals"]
+__all__ = ["RUN_ERRORS", "closing_lines", "disk_full_as_error", "exit_code",
+           "launcher_stop_code", "output_lock", "preflight", "remember_command", "stop_on_signals"]
 
 # Failures the command line reports in one line: bad input (exit 2) or a run that could not go on (exit 1).
 _INPUT_ERRORS = (ResumeError, OutputDirError, EmptyTrainingSet)
@@ -35,9 +36,26 @@ PROG = "trl-pruned-dpo"
 _command: list[str] | None = None  # the command line of this run, for the "resume with" hint
 
 
+_COMMAND_ENV = "TRL_PRUNED_DPO_COMMAND"  # the user's command line, for processes started by `accelerate launch`
+
+
 def remember_command(argv: list[str]) -> None:
+    """Keep this run's arguments for the "resume with" hint; launched processes get the launching one's (theirs
+    lack the accelerate flags)."""
     global _command
-    _command = list(argv)
+    inherited = os.environ.get(_COMMAND_ENV) if "LOCAL_RANK" in os.environ else None  # started by a launcher
+    _command = json.loads(inherited) if inherited else list(argv)
+    os.environ[_COMMAND_ENV] = json.dumps(_command)
+
+
+def launcher_stop_code(error: BaseException) -> int | None:
+    """Exit code for torch's elastic launcher having forwarded a stop signal to the training processes (which stopped
+    cleanly and printed their summary), or None for any other error."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return 128 + int(error.sigval) if isinstance(error, SignalException) else None
 
 
 def resume_command() -> str:
