@@ -26,6 +26,8 @@ try:
     trl_utils._use_triton  # noqa: B018 - read by add_fused_lm_head's forward to decide whether to compact
     DPOTrainer._compute_loss  # noqa: B018 - loss + metrics from per-token log-probs, called with a replay "model"
     DPOTrainer.compute_ref_log_probs  # noqa: B018 - reference sums (ld_alpha weighting) from per-token log-probs
+    DPOTrainer._save_checkpoint  # noqa: B018 - completion marker and run state (checkpoints.py)
+    DPOTrainer._maybe_log_save_evaluate  # noqa: B018 - each step's divergence check, before it is logged or saved
 except (ImportError, AttributeError) as error:  # pragma: no cover - only on an untested TRL
     raise ImportError(f"trl-pruned-dpo: a TRL internal it relies on has moved ({error}); pin trl to 1.16.x.") from error
 
