@@ -27,7 +27,10 @@ try:
     from trl.models.utils import disable_gradient_checkpointing
     from trl.trainer.dpo_trainer import DPOTrainer
     from trl.trainer.utils import add_fused_lm_head, get_config_model_id, use_adapter
-except ImportError as error:  # pragma: no cover - only on an untested TRL
+
+    DPOTrainer._save_checkpoint  # noqa: B018 - completion marker and run state (checkpoints.py)
+    DPOTrainer._maybe_log_save_evaluate  # noqa: B018 - each step's divergence check, before it is logged or saved
+except (ImportError, AttributeError) as error:  # pragma: no cover - only on an untested TRL
     raise ImportError(f"trl-pruned-dpo: a TRL internal it relies on has moved ({error}); pin trl to 1.16.x.") from error
 
 __all__ = [

@@ -26,6 +26,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 _PROGRAM_STARTED = time.perf_counter()  # this module loads first (the package imports lazily): the program's start
+
+from .run_control import (  # noqa: E402 - after the start time
+    RUN_ERRORS, closing_lines, disk_full_as_error, exit_code, launcher_stop_code, output_lock, preflight, remember_command,
+    stop_on_signals,
+)
+
 PROG = "trl-pruned-dpo"
 _CHILD_ENV = "TRL_PRUNED_DPO_LAUNCHED"  # set by the launching process: its children train instead of relaunching
 _PRUNE_METRICS = {
@@ -234,6 +240,11 @@ def launch(launch_args: list[str], training_argv: list[str]) -> int:
         launch_command(args)
     except subprocess.CalledProcessError as error:  # the children printed their own error
         return error.returncode or 1
+    except Exception as error:  # SIGTERM/SIGINT forwarded to the children, which stopped and said so (run_control.py)
+        code = launcher_stop_code(error)
+        if code is None:
+            raise
+        return code
     return 0
 
 
@@ -433,7 +444,7 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
         share = _mean(history, key)
         suffix = {"prune/tokens_executed": " of the full graph", "prune/positions_scored": " of response positions"}
         lines.append((label, "n/a" if share is None else f"{100 * share:.1f}%{suffix.get(key, '')}"))
-    lines.append(("saved", f"{args.output_dir} (model and tokenizer)"))
+    lines += closing_lines(trainer)  # worst values, resume note, saved model or where the run stopped
     return "\n".join(line if isinstance(line, str) else f"  {line[0]:<24} {line[1]}" for line in lines)
 
 
@@ -457,6 +468,7 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
 
     started = time.perf_counter() if started is None else started
     _apply_thread_count()
+    preflight(training_args)  # output_dir writable and free, resume possible: one line before any work
     names = [model_args.model_name_or_path, script_args.dataset_name]
     if training_args.push_to_hub or dataset_args.datasets or any(_is_hub_id(n) for n in names):
         if _hub_unreachable():
@@ -476,7 +488,7 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
-    with _OutputGuard(training_args.output_dir):
+    with _OutputGuard(training_args.output_dir), output_lock(training_args.output_dir):
         try:
             trainer = PrunedDPOTrainer(
                 model=model_path,
@@ -496,19 +508,22 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
             trainer.model._ddp_params_and_buffers_to_ignore = [
                 name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
             ]
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        with stop_on_signals(trainer) as stop:
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         evaluated = [e.get("step") for e in trainer.state.log_history if "eval_loss" in e]
-        if eval_dataset is not None and trainer.state.global_step not in evaluated:
+        if eval_dataset is not None and trainer.state.global_step not in evaluated and not stop.signal_number:
             trainer.evaluate()
-        trainer.save_model(training_args.output_dir)
+        if not stop.signal_number:  # a stopped run leaves its checkpoint, not a final model that looks finished
+            with disk_full_as_error("the final model", training_args.output_dir):
+                trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(summarize(trainer, model_args.model_name_or_path, model_path,
                                         time.perf_counter() - started))
-    if training_args.push_to_hub:
+    if training_args.push_to_hub and not stop.signal_number:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
         trainer.accelerator.print(f"Model pushed to the Hub: {trainer.hub_model_id}")
     if Version(transformers.__version__) >= Version("5.18.0"):
         trainer.end()
-    return 0
+    return stop.exit_code
 
 
 # --- entry point ------------------------------------------------------------------------------------------------------
@@ -546,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     """Console script `trl-pruned-dpo` and `python -m trl_pruned_dpo`. Returns the exit code."""
     started = _PROGRAM_STARTED if argv is None else time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
+    remember_command(argv)
     silence_library_noise()
     compare = "--compare" in argv  # stock DPOTrainer, then the pruned one, side by side (demo/compare.py)
     argv = [a for a in argv if a != "--compare"]
@@ -559,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as error:
         _print_error(str(error))
         return 2
+    except RUN_ERRORS as error:  # run_control.py: bad resume or output_dir (2), diverged or disk full (1)
+        _print_error(" ".join(str(error).split()))
+        return exit_code(error)
     except KeyboardInterrupt:
         _print_error("interrupted.")
         return 130

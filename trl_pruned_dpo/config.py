@@ -61,6 +61,11 @@ class PrunedDPOConfig(DPOConfig):
         prune_seed (`int`, *optional*):
             Seed of the mask generator (an integer). Defaults to `seed`. Masks are a function of (prune_seed, global step,
             micro-step, process rank) only; they never draw from the global RNG.
+        allow_pruning_change_on_resume (`bool`, *optional*, defaults to `False`):
+            Checkpoints store the pruning fields above; resuming with other values is refused unless this is set.
+        stop_on_divergence (`bool`, *optional*, defaults to `True`):
+            Stop training when a step's loss or gradient norm is non-finite or explodes, without checkpointing that
+            step, naming the last complete checkpoint (trl_pruned_dpo/guards.py).
     """
 
     position_keep_prob: float = field(
@@ -101,6 +106,18 @@ class PrunedDPOConfig(DPOConfig):
     prune_seed: int | None = field(
         default=None,
         metadata={"help": "Seed of the mask generator (defaults to `seed`)."},
+    )
+
+    # Failures and resume (docs/cli.md, "Failures and resume"; checkpoints.py, guards.py)
+    allow_pruning_change_on_resume: bool = field(
+        default=False,
+        metadata={"help": "Resume even if the checkpoint was trained with other pruning settings (prune_seed, keep "
+                  "probabilities, sampling); the resumed run then draws other masks than the interrupted one."},
+    )
+    stop_on_divergence: bool = field(
+        default=True,
+        metadata={"help": "Stop training, without checkpointing the bad step, when a step's loss or gradient norm is "
+                  "non-finite or 1000x the median of the steps before it."},
     )
 
     @property

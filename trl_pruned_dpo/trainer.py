@@ -17,6 +17,8 @@ forward, then the loss and metrics):
 
 import contextlib
 import dataclasses
+import os
+import shutil
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -29,6 +31,7 @@ from datasets.table import InMemoryTable
 from torch.utils.data import DataLoader
 from transformers import ProcessorMixin
 
+from . import checkpoints
 from ._trl import (
     DPOConfig,
     DPOTrainer,
@@ -41,6 +44,7 @@ from ._trl import (
 from .config import PrunedDPOConfig
 from .data_checks import check_training_pairs
 from .estimators import horvitz_thompson, scale_branch_gradient
+from .guards import DivergenceGuard, TrainingDiverged, check_not_empty, warn_before_training
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
 
 # Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
@@ -504,3 +508,119 @@ class PrunedDPOTrainer(DPOTrainer):
         move("mean_token_accuracy", top1_w / count_w if count_w else 0.0, "prune/mean_token_accuracy" + suffix)
         for name in ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
             move(name, new=f"prune/{name}{suffix}")
+
+    # ---------------------------------------------------------------------------- resume and failures (checkpoints.py)
+    resumed_from: str | None = None  # the checkpoint the last `train()` resumed from
+    restored_logging_window = False  # whether its partial logging window was restored (else logs restart there)
+    divergence_guard: DivergenceGuard | None = None
+    _step_loss = _diverged = _pending_run_state = None
+
+    def train(self, resume_from_checkpoint=None, *pargs, **kwargs):
+        """TRL's `train`, resuming only from a complete checkpoint with this run's pruning settings, warning before
+        training about settings that should alarm, and stopping a diverging run (guards.py).
+
+        `resume_from_checkpoint=True` (or "true"/"auto"/"last") takes the newest *complete* checkpoint in
+        `output_dir`, saying which, and which newer incomplete ones it skipped. Raises `checkpoints.ResumeError`
+        (nothing to resume, an incomplete checkpoint, other pruning settings) and `guards.TrainingDiverged`.
+        """
+        from transformers.utils import logging
+
+        if self.train_dataset is not None:
+            check_not_empty(self.train_dataset, self.args)
+        resume, note = checkpoints.resolve_resume(resume_from_checkpoint, self.args)
+        if note and self.is_world_process_zero():
+            logging.get_logger(__name__).warning(note)
+        self.resumed_from, self.restored_logging_window = resume, False
+        self.divergence_guard = DivergenceGuard()
+        self._step_loss, self._diverged, self._pending_run_state = None, None, None
+        if resume is not None:
+            self._pending_run_state = checkpoints.read_run_state(resume, self.args.process_index)
+            if self._pending_run_state and "guard" in self._pending_run_state:
+                self.divergence_guard.load_state_dict(self._pending_run_state["guard"])
+        warn_before_training(self.args)
+        output = super().train(resume, *pargs, **kwargs)
+        if self._diverged is not None:
+            raise TrainingDiverged(self._diverged)
+        return output
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._pending_run_state is not None:  # first micro-step after a resume: reopen the logging window
+            self._restore_logging_window(self._pending_run_state.get("window") or {})
+            self._pending_run_state = None
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step_loss = loss.detach() if self._step_loss is None else self._step_loss + loss.detach()
+        return loss
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *pargs, **kwargs):
+        if self._step_loss is not None:  # an optimizer step just ended: check it before it is logged or saved
+            loss, self._step_loss = self._step_loss, None
+            if self.args.world_size > 1:  # every process must take the same decision
+                loss = self.accelerator.reduce(loss, reduction="mean")
+            norm = None if grad_norm is None else float(grad_norm)
+            problem = self.divergence_guard.observe(self.state.global_step, float(loss), norm)
+            if problem is not None and self.args.stop_on_divergence:
+                last = checkpoints.last_complete(self._get_output_dir(trial=None))
+                restart = f"resume from the last complete checkpoint, {last}" if last else "start again"
+                self._diverged = (
+                    f"training diverged at step {self.state.global_step}: {problem}. Stopped without checkpointing "
+                    f"it. Lower learning_rate (or raise the keep probabilities) and {restart}; or pass "
+                    "--stop_on_divergence false to train on."
+                )
+                self.control.should_save = self.control.should_evaluate = False
+                self.control.should_training_stop = True
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *pargs, **kwargs)
+
+    def _logging_window(self) -> dict:
+        """What the Trainer and TRL have accumulated since the last log: restored on resume, so that a resumed run
+        logs (and summarises) the same numbers as an uninterrupted one."""
+        if not hasattr(self, "_tr_loss"):  # saved outside `train()`: no window open
+            return {}
+        return {
+            "tr_loss": float(self._tr_loss),
+            "last_logged": self._globalstep_last_logged,
+            "metrics": {key: list(values) for key, values in self._metrics["train"].items()},
+            # TRL's `num_tokens` counter, which TRL itself does not restore on resume
+            "total_train_tokens": getattr(self, "_total_train_tokens", 0),
+        }
+
+    def _restore_logging_window(self, window: dict) -> None:
+        if not window or not hasattr(self, "_tr_loss"):
+            return
+        self._tr_loss += torch.tensor(window["tr_loss"], dtype=self._tr_loss.dtype, device=self._tr_loss.device)
+        self._globalstep_last_logged = window["last_logged"]
+        for key, values in window["metrics"].items():
+            self._metrics["train"][key][:0] = values
+        self._total_train_tokens = window.get("total_train_tokens", 0)
+        self.restored_logging_window = True
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint, then the run state and the completion marker; older checkpoints are rotated only after
+        the new one is complete, and a full disk is said in one line (the partial folder is removed)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            if self.args.should_save:
+                checkpoints.unmark(folder)
+            super()._save_checkpoint(model, trial)
+            state = {"window": self._logging_window(), "guard": self.divergence_guard.state_dict()}
+            checkpoints.write_run_state(folder, self.args.process_index, state)
+            self.accelerator.wait_for_everyone()  # every process's files are written before the marker
+            if self.args.should_save:
+                checkpoints.mark_complete(folder, self.args, self.state.global_step)
+        except Exception as error:
+            if not checkpoints.is_disk_full(error, folder):
+                raise
+            if self.args.should_save:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise checkpoints.DiskFullError(
+                checkpoints.disk_full_message(os.path.basename(folder), folder, run_dir) + " The incomplete "
+                "checkpoint was removed."
+            ) from None
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
