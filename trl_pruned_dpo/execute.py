@@ -37,7 +37,7 @@ def _allowed(item_q, seg_q, item_k, seg_k, q_idx, kv_idx):
     return (item_q == item_k) & (kv_idx <= q_idx) & ((seg_k == SHARED) | (seg_k == seg_q))
 
 
-def attention_mask(item: torch.Tensor, segment: torch.Tensor, backend: str, dtype: torch.dtype):
+def attention_mask(item: torch.Tensor, segment: torch.Tensor, backend: str):
     """The packed rows' attention mask in the form `backend` takes."""
     rows, width = item.shape
     if backend == "flex_attention":
@@ -52,11 +52,11 @@ def attention_mask(item: torch.Tensor, segment: torch.Tensor, backend: str, dtyp
                        idx[None, :, None], idx[None, None, :]).unsqueeze(1)
     if backend == "sdpa":
         return allowed
-    # eager adds the mask to the scores
-    return torch.zeros(allowed.shape, dtype=dtype, device=item.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    # eager adds the mask to the scores (in float32: the sum is promoted, and softmax runs in float32 anyway)
+    return torch.zeros(allowed.shape, device=item.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
-def run_group(model, group: PackedGroup, fields: tuple[str, ...], backend: str, device, dtype):
+def run_group(model, group: PackedGroup, fields: tuple[str, ...], backend: str, device):
     """One forward of a packed group through TRL's fused LM head (scoring only the labelled positions).
 
     Returns ({field: (rows, cols) tensor}, the model outputs): each grid cell holds the output of the packed position
@@ -64,7 +64,7 @@ def run_group(model, group: PackedGroup, fields: tuple[str, ...], backend: str, 
     (e.g. a MoE router's `aux_loss`).
     """
     to = dict(device=device, non_blocking=True)
-    mask = attention_mask(group.item.to(**to), group.segment.to(**to), backend, dtype)
+    mask = attention_mask(group.item.to(**to), group.segment.to(**to), backend)
     with compact_lm_head():
         outputs = model(
             input_ids=group.input_ids.to(**to),

@@ -15,6 +15,8 @@ forward, then the loss and metrics):
 """
 
 import contextlib
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -27,12 +29,36 @@ from torch.utils.data import DataLoader
 from ._trl import DPOTrainer, compact_lm_head, disable_gradient_checkpointing, use_adapter
 from .config import PrunedDPOConfig
 from .estimators import horvitz_thompson, scale_branch_gradient
+from .execute import run_group, unsupported_reason
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
+from .plan import HostBatch, common_tokens, plan_policy, plan_reference
 
 # Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
 REF_TOKEN_COLUMNS = ("ref_chosen_token_logps", "ref_rejected_token_logps")
 REF_TOKEN_KEY = "ref_token_logps"
-_NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", REF_TOKEN_KEY}
+# Batch key of the host copy of the token layout (plan.HostBatch), attached by the collator.
+HOST_KEY = "host_batch"
+_NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", REF_TOKEN_KEY, HOST_KEY}
+# Batch keys the shared-prompt forward knows how to pack; any other per-token input makes it run unshared.
+_SHAREABLE_KEYS = {"input_ids", "attention_mask"} | _NON_MODEL_KEYS
+
+
+def _masks_to(masks: PruneMasks, device) -> PruneMasks:
+    """The masks on `device` (a copy; a no-op for tensors already there)."""
+    return PruneMasks(**{f.name: getattr(masks, f.name).to(device, non_blocking=True)
+                         for f in dataclasses.fields(masks)})
+
+
+@dataclass
+class _HostCopyCollator:
+    """Wraps the collator: attaches a host copy of the token layout, so the plan never reads device tensors."""
+
+    collator: Any
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        batch[HOST_KEY] = HostBatch(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        return batch
 
 
 class _Replay:
@@ -101,6 +127,7 @@ class PrunedDPOTrainer(DPOTrainer):
                 )
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
+        self._share_backend = None  # resolved below, once the model is prepared (precompute runs unshared)
         super().__init__(model, ref_model, args, *pargs, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
@@ -108,6 +135,10 @@ class PrunedDPOTrainer(DPOTrainer):
             )
         if args.precompute_ref_log_probs:
             self.data_collator = _PerTokenReferenceCollator(self.data_collator)
+        if not isinstance(self.train_dataset, (IterableDataset, torch.utils.data.IterableDataset)):
+            # (batches of an iterable dataset may be dispatched across processes, which carries tensors only)
+            self.data_collator = _HostCopyCollator(self.data_collator)
+        self._share_backend = self._shared_prompt_backend()
 
     # ----------------------------------------------------------------------------------------------------------- data
     def _set_signature_columns_if_needed(self):
@@ -168,57 +199,104 @@ class PrunedDPOTrainer(DPOTrainer):
         )
 
     def _draw_masks(self, inputs) -> PruneMasks:
+        """This micro-step's masks, drawn on the host from the batch's token layout (no device sync)."""
+        host = self._host_batch(inputs)
         generator = self._next_mask_generator()
-        return draw_masks(inputs["input_ids"], inputs["completion_mask"], **self._mask_options(), generator=generator)
+        return draw_masks(host.input_ids, host.completion_mask, **self._mask_options(), generator=generator)
+
+    def _host_batch(self, inputs) -> HostBatch:
+        """The batch's token layout on the host: the collator's copy, else one copy now (precompute, custom loops)."""
+        host = inputs.get(HOST_KEY)
+        if host is None:
+            host = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask")))
+        return host
+
+    def _shared_prompt_backend(self) -> str | None:
+        """The attention backend of the shared-prompt forward, or None (off, or the model cannot: one warning)."""
+        if not self.args.share_prompt:
+            return None
+        reasons = []
+        for model in (self.model, self.ref_model):
+            if model is None:
+                continue
+            model = self.accelerator.unwrap_model(model)
+            model = model.get_base_model() if is_peft_model(model) else model
+            reason = unsupported_reason(model)
+            if reason:
+                reasons.append(reason)
+        if reasons:
+            warnings.warn(
+                f"share_prompt=True is ignored: {reasons[0]}. Training runs the unshared forward (exact, slower).",
+                stacklevel=3,
+            )
+            return None
+        return self.accelerator.unwrap_model(self.model).config._attn_implementation
 
     def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, executed: torch.Tensor):
         """Run `rows` of the batch, trimmed to the longest executed row, scoring the `scored` positions only.
 
-        Returns the fused-head outputs (per-token tensors of shape (len(rows), width - 1)) and the width. An empty
-        `rows` still runs one row of two tokens, scoring nothing: every process must run the same modules in the same
-        order (ZeRO-3/FSDP), and a grad group must stay connected to the graph.
+        `rows`, `scored` and `executed` live on the host (the plan). Returns the fused-head outputs (per-token tensors
+        of shape (len(rows), width - 1)) and the width. An empty `rows` still runs one row of two tokens, scoring
+        nothing: every process must run the same modules in the same order (ZeRO-3/FSDP), and a grad group must stay
+        connected to the graph.
         """
         if rows.numel() == 0:
             rows, width = rows.new_zeros(1), 2
             scored = torch.zeros_like(scored)
         else:
             width = int(executed[rows].max())
-        input_ids = inputs["input_ids"][rows, :width]
+        device = inputs["input_ids"].device
+        index = rows.to(device, non_blocking=True)
+        input_ids = inputs["input_ids"][index, :width]
         labels = torch.full_like(input_ids, -100)
-        labels[:, 1:] = torch.where(scored[rows, : width - 1], input_ids[:, 1:], -100)
+        keep = scored[rows, : width - 1].to(device, non_blocking=True)
+        labels[:, 1:] = torch.where(keep, input_ids[:, 1:], -100)
         total_rows, total_cols = inputs["input_ids"].shape
         kwargs = {}
         for key, value in inputs.items():
             if key in _NON_MODEL_KEYS or key == "input_ids":
                 continue
             if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (total_rows, total_cols):
-                value = value[rows, :width]
+                value = value[index, :width]
             elif torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == total_rows:
-                value = value[rows]
+                value = value[index]
             kwargs[key] = value
         with compact_lm_head():
             outputs = model(input_ids=input_ids, labels=labels, use_cache=False, fused_lm_head=True, **kwargs)
         return outputs, width
 
-    def _reference_log_probs(self, model, inputs, scored: torch.Tensor, executed: torch.Tensor | None = None):
-        """Per-token reference log-probs (rows, cols) on the `scored` positions, 0 elsewhere; never backpropagated."""
-        if executed is None:
-            executed = executed_columns(scored)
-        rows = torch.nonzero(executed > 0).flatten()
-        per_token = torch.zeros(scored.shape, dtype=torch.float32, device=scored.device)
+    def _reference_context(self):
+        """No grad, and the policy's adapter disabled when the reference is the PEFT policy without its adapter."""
         adapter = contextlib.nullcontext()
         if self.ref_model is None and is_peft_model(self.model):
             # Reference = the policy with its adapter disabled (or TRL's frozen "ref" adapter copy)
             unwrapped = self.accelerator.unwrap_model(self.model)
             adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            adapter,
-        ):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs))
+        stack.enter_context(adapter)
+        return stack
+
+    def _reference_log_probs(self, model, inputs, scored: torch.Tensor, executed: torch.Tensor | None = None):
+        """Per-token reference log-probs (rows, cols) on the `scored` positions, 0 elsewhere; never backpropagated."""
+        scored = scored.cpu()  # the plan is made on the host (a no-op in training, where the masks live there)
+        device = inputs["input_ids"].device
+        if self._share_backend is not None and self._can_share(inputs):
+            host = self._host_batch(inputs)
+            group = plan_reference(host, scored, common_tokens(host))
+            with self._reference_context():
+                outputs, _ = run_group(model, group, ("log_probs",), self._share_backend, device)
+            self._count("reference_tokens_executed", group.input_ids.numel())
+            self._count("reference_positions_scored", int(scored.sum()))
+            return outputs["log_probs"].float()
+        executed = executed_columns(scored) if executed is None else executed.cpu()
+        rows = torch.nonzero(executed > 0).flatten()
+        per_token = torch.zeros(scored.shape, dtype=torch.float32, device=device)
+        with self._reference_context():
             outputs, width = self._forward_rows(model, inputs, rows, scored, executed)
         if rows.numel():
-            per_token[rows, : width - 1] = outputs.log_probs[:, -(width - 1) :].float()
+            per_token[rows.to(device), : width - 1] = outputs.log_probs[:, -(width - 1) :].float()
         self._count("reference_tokens_executed", max(rows.numel(), 1) * width)
         self._count("reference_positions_scored", int(scored[rows].sum()) if rows.numel() else 0)
         return per_token
@@ -227,95 +305,140 @@ class PrunedDPOTrainer(DPOTrainer):
         """Per-branch reference sums from per-token values, through TRL's own `compute_ref_log_probs` (ld_alpha)."""
         return DPOTrainer.compute_ref_log_probs(self, _Replay(log_probs=per_token), inputs)
 
+    def _can_share(self, inputs) -> bool:
+        """The packed forward feeds the model token ids only: a batch with other per-token inputs runs unshared."""
+        return not (set(inputs) - _SHAREABLE_KEYS)
+
+    def _policy_shared(self, model, inputs, masks: PruneMasks, fields, device):
+        """The shared-prompt policy forwards (plan.py, execute.py): per-token outputs on the grid, and the frozen pass.
+
+        Returns (per_token, run_frozen): run_frozen() runs the no-grad group and adds its outputs; the caller runs it
+        inside the micro-step's single no-grad block.
+        """
+        host = self._host_batch(inputs)
+        common = common_tokens(host)
+        grad_cost = 4.0 if self.args.gradient_checkpointing else 3.0  # forward + backward (+ recompute), Eq. in method
+        plan = plan_policy(host, masks, frozen_group=self.args.branch_keep_prob < 1, grad_cost=grad_cost,
+                           common=common)
+        per_token, _ = run_group(model, plan.grad, fields, self._share_backend, device)
+        executed = plan.grad.input_ids.numel()
+        self._count("policy_tokens_executed", executed)
+        self._count("grad_tokens_executed", executed)
+        self._count("shared_pairs", plan.shared_pairs)
+        self._count("split_pairs", plan.split_pairs)
+
+        def run_frozen():
+            if plan.frozen is None:
+                return
+            frozen, _ = run_group(model, plan.frozen, fields, self._share_backend, device)
+            self._count("policy_tokens_executed", plan.frozen.input_ids.numel())
+            for f in fields:
+                per_token[f] = per_token[f] | frozen[f] if f == "is_top1" else per_token[f] + frozen[f]
+
+        return per_token, run_frozen
+
+    def _policy_unshared(self, model, inputs, masks: PruneMasks, fields, shape, device):
+        """The unshared policy forwards: backpropagated rows with grad; returns (per_token, run_frozen) like above."""
+        needed = masks.executed > 0
+        per_token = {f: torch.zeros(shape, dtype=torch.bool if f == "is_top1" else torch.float32, device=device)
+                     for f in fields}
+
+        def run(rows, with_grad):
+            outputs, width = self._forward_rows(model, inputs, rows, masks.scored, masks.executed)
+            tokens = max(rows.numel(), 1) * width
+            self._count("policy_tokens_executed", tokens)
+            if with_grad:
+                self._count("grad_tokens_executed", tokens)
+            if rows.numel() == 0:
+                if with_grad:  # keep the grad group connected to the graph
+                    per_token["log_probs"] = per_token["log_probs"] + outputs.log_probs.sum() * 0.0
+                return
+            index = rows.to(device, non_blocking=True)
+            for f in fields:
+                value = getattr(outputs, f)[:, -(width - 1) :]
+                if f == "log_probs":
+                    # out-of-place so autograd keeps the grad rows' history
+                    per_token[f] = per_token[f].index_put((index,), torch.nn.functional.pad(
+                        value.float(), (0, shape[1] - (width - 1))))
+                else:
+                    per_token[f][index, : width - 1] = value.to(per_token[f].dtype)
+
+        run(torch.nonzero(needed & masks.backprop).flatten(), True)
+
+        def run_frozen():
+            if self.args.branch_keep_prob < 1:  # a structural choice, the same on every process
+                run(torch.nonzero(needed & ~masks.backprop).flatten(), False)
+
+        return per_token, run_frozen
+
     def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """The pruned forward of the [chosen; rejected] batch.
 
         Returns the policy's per-token outputs (log-probs and TRL's metric fields) as inverse-probability-weighted
         terms whose row sums are unbiased for the full sums, with the straight-through branch scaling applied to the
         log-probs (Eq. 3), and the reference's per-branch sums (chosen, rejected) under the same masks.
+
+        Plan on the host (masks, layout), then execute: the backpropagated forward first, then every no-grad forward
+        (frozen branches, reference) in one block, so gradient checkpointing is toggled at most once per micro-step.
         """
-        masks = self._draw_masks(inputs)
+        masks = _masks_to(self._draw_masks(inputs), "cpu")  # the host copy the plan reads
         self.last_prune_stats = {}
         response = inputs["completion_mask"][:, 1:].bool()
         shape, device = response.shape, response.device
-        needed = masks.executed > 0
-        grad_rows = torch.nonzero(needed & masks.backprop).flatten()
-        frozen_rows = torch.nonzero(needed & ~masks.backprop).flatten()
-
         fields = ("log_probs", "entropy", "mean_logits", "is_top1") + (
             ("log_sum_sq_probs",) if self.use_weighting else ()
         )
-        per_token = {f: torch.zeros(shape, dtype=torch.bool if f == "is_top1" else torch.float32, device=device)
-                     for f in fields}
-        connect = None
-        groups = [(grad_rows, True)]
-        if self.args.branch_keep_prob < 1:  # a structural choice, the same on every process
-            groups.append((frozen_rows, False))
-        for rows, with_grad in groups:
-            context = contextlib.nullcontext() if with_grad else torch.no_grad()
-            freeze = contextlib.nullcontext() if with_grad else disable_gradient_checkpointing(
-                self.model, self.args.gradient_checkpointing_kwargs
-            )
-            with context, freeze:
-                outputs, width = self._forward_rows(model, inputs, rows, masks.scored, masks.executed)
-            tokens = max(rows.numel(), 1) * width
-            self._count("policy_tokens_executed", tokens)
-            if with_grad:
-                self._count("grad_tokens_executed", tokens)
-            if rows.numel() == 0:
-                if with_grad:
-                    connect = outputs.log_probs.sum() * 0.0
-                continue
-            for f in fields:
-                value = getattr(outputs, f)[:, -(width - 1) :]
-                if f == "log_probs":
-                    # out-of-place so autograd keeps the grad rows' history
-                    per_token[f] = per_token[f].index_put((rows,), torch.nn.functional.pad(
-                        value.float(), (0, shape[1] - (width - 1))))
-                else:
-                    per_token[f][rows, : width - 1] = value.to(per_token[f].dtype)
+        if self._share_backend is not None and self._can_share(inputs):
+            per_token, run_frozen = self._policy_shared(model, inputs, masks, fields, device)
+        else:
+            per_token, run_frozen = self._policy_unshared(model, inputs, masks, fields, shape, device)
+        with self._reference_context():
+            run_frozen()
+            reference = self._pruned_reference(model, inputs, masks, response)
 
-        weights = masks.weights.to(device)
+        on_device = _masks_to(masks, device)
         for f in fields:
             if f != "is_top1":
-                per_token[f] = horvitz_thompson(per_token[f], weights)
-        per_token["is_top1"] &= masks.scored
+                per_token[f] = horvitz_thompson(per_token[f].float(), on_device.weights)
+        per_token["is_top1"] = per_token["is_top1"].bool() & on_device.scored
         if self.args.branch_keep_prob < 1:
-            per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], masks.branch_scale.to(device))
-        if connect is not None:
-            per_token["log_probs"] = per_token["log_probs"] + connect
+            per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], on_device.branch_scale)
 
-        reference = self._pruned_reference(model, inputs, masks, response)
         self._count("positions_scored", int(masks.scored.sum()))
         self._count("grad_positions_scored", int(masks.scored[masks.backprop].sum()))
         self._count("tokens_needed", int(masks.executed.sum()))
-        self._count("response_positions", int(response.sum()))
+        self._count("response_positions", int(self._host_batch(inputs).completion_mask[:, 1:].sum()))
         self._count("rows", shape[0])
         self._count("grad_rows", int(masks.backprop.sum()))
         self._count("full_tokens", inputs["input_ids"].numel())
-        self._last_masks = masks
+        self._last_masks = on_device
         return per_token, reference
 
     def _pruned_reference(self, model, inputs, masks: PruneMasks, response: torch.Tensor):
-        """Reference sums under the policy's masks (`prune_reference`), or exact sums over every kept position."""
+        """Reference sums under the policy's masks (`prune_reference`), or exact sums over every kept position.
+
+        `masks` are the host copy (the plan reads them); the weights go to the device for the estimate.
+        """
         prune = self.args.prune_reference
+        device = response.device
+        weights = masks.weights.to(device, non_blocking=True)
+        exact = masks.exact.to(device, non_blocking=True)
         if self.precompute_ref_logps:
             if not prune and not self.args.prune_common_prefix:
                 return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-            stored = inputs[REF_TOKEN_KEY].to(masks.weights.device)
-            weights = masks.weights if prune else masks.exact.float()
-            return self._reference_sums(inputs, horvitz_thompson(stored, weights))
+            stored = inputs[REF_TOKEN_KEY].to(device)
+            return self._reference_sums(inputs, horvitz_thompson(stored, weights if prune else exact.float()))
         reference_model = self.ref_model if self.ref_model is not None else self.model
         if prune:
             per_token = self._reference_log_probs(reference_model, inputs, masks.scored, masks.executed)
-            return self._reference_sums(inputs, horvitz_thompson(per_token, masks.weights))
+            return self._reference_sums(inputs, horvitz_thompson(per_token, weights))
         per_token = self._reference_log_probs(reference_model, inputs, masks.exact)
-        return self._reference_sums(inputs, per_token * masks.exact)
+        return self._reference_sums(inputs, per_token * exact)
 
     # ----------------------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.model.training:  # evaluation is exact: TRL's own path
-            inputs = {k: v for k, v in inputs.items() if k != REF_TOKEN_KEY}
+            inputs = {k: v for k, v in inputs.items() if k not in (REF_TOKEN_KEY, HOST_KEY)}
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise ValueError("PrunedDPOTrainer does not return model outputs during training (TRL deprecated them).")
