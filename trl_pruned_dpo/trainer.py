@@ -265,17 +265,20 @@ class PrunedDPOTrainer(DPOTrainer):
             outputs = model(input_ids=input_ids, labels=labels, use_cache=False, fused_lm_head=True, **kwargs)
         return outputs, width
 
-    def _reference_context(self):
-        """No grad, and the policy's adapter disabled when the reference is the PEFT policy without its adapter."""
-        adapter = contextlib.nullcontext()
-        if self.ref_model is None and is_peft_model(self.model):
-            # Reference = the policy with its adapter disabled (or TRL's frozen "ref" adapter copy)
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+    def _no_grad_block(self) -> contextlib.ExitStack:
+        """No grad and no gradient checkpointing (nothing to recompute); nested blocks do not toggle it again."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())
         stack.enter_context(disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs))
-        stack.enter_context(adapter)
+        return stack
+
+    def _reference_context(self) -> contextlib.ExitStack:
+        """A no-grad block, with the policy's adapter disabled when the reference is the PEFT policy without it."""
+        stack = self._no_grad_block()
+        if self.ref_model is None and is_peft_model(self.model):
+            # Reference = the policy with its adapter disabled (or TRL's frozen "ref" adapter copy)
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            stack.enter_context(use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None))
         return stack
 
     def _reference_log_probs(self, model, inputs, scored: torch.Tensor, executed: torch.Tensor | None = None):
@@ -312,8 +315,8 @@ class PrunedDPOTrainer(DPOTrainer):
     def _policy_shared(self, model, inputs, masks: PruneMasks, fields, device):
         """The shared-prompt policy forwards (plan.py, execute.py): per-token outputs on the grid, and the frozen pass.
 
-        Returns (per_token, run_frozen): run_frozen() runs the no-grad group and adds its outputs; the caller runs it
-        inside the micro-step's single no-grad block.
+        Returns (per_token, run_frozen): run_frozen() runs the no-grad group (inside the micro-step's single no-grad
+        block) and returns its per-token outputs on the grid (zero outside its rows), or None.
         """
         host = self._host_batch(inputs)
         common = common_tokens(host)
@@ -329,21 +332,19 @@ class PrunedDPOTrainer(DPOTrainer):
 
         def run_frozen():
             if plan.frozen is None:
-                return
-            frozen, _ = run_group(model, plan.frozen, fields, self._share_backend, device)
+                return None
             self._count("policy_tokens_executed", plan.frozen.input_ids.numel())
-            for f in fields:
-                per_token[f] = per_token[f] | frozen[f] if f == "is_top1" else per_token[f] + frozen[f]
+            return run_group(model, plan.frozen, fields, self._share_backend, device)[0]
 
         return per_token, run_frozen
 
     def _policy_unshared(self, model, inputs, masks: PruneMasks, fields, shape, device):
         """The unshared policy forwards: backpropagated rows with grad; returns (per_token, run_frozen) like above."""
         needed = masks.executed > 0
-        per_token = {f: torch.zeros(shape, dtype=torch.bool if f == "is_top1" else torch.float32, device=device)
-                     for f in fields}
 
         def run(rows, with_grad):
+            per_token = {f: torch.zeros(shape, dtype=torch.bool if f == "is_top1" else torch.float32, device=device)
+                         for f in fields}
             outputs, width = self._forward_rows(model, inputs, rows, masks.scored, masks.executed)
             tokens = max(rows.numel(), 1) * width
             self._count("policy_tokens_executed", tokens)
@@ -352,7 +353,7 @@ class PrunedDPOTrainer(DPOTrainer):
             if rows.numel() == 0:
                 if with_grad:  # keep the grad group connected to the graph
                     per_token["log_probs"] = per_token["log_probs"] + outputs.log_probs.sum() * 0.0
-                return
+                return per_token
             index = rows.to(device, non_blocking=True)
             for f in fields:
                 value = getattr(outputs, f)[:, -(width - 1) :]
@@ -362,14 +363,14 @@ class PrunedDPOTrainer(DPOTrainer):
                         value.float(), (0, shape[1] - (width - 1))))
                 else:
                     per_token[f][index, : width - 1] = value.to(per_token[f].dtype)
-
-        run(torch.nonzero(needed & masks.backprop).flatten(), True)
+            return per_token
 
         def run_frozen():
             if self.args.branch_keep_prob < 1:  # a structural choice, the same on every process
-                run(torch.nonzero(needed & ~masks.backprop).flatten(), False)
+                return run(torch.nonzero(needed & ~masks.backprop).flatten(), False)
+            return None
 
-        return per_token, run_frozen
+        return run(torch.nonzero(needed & masks.backprop).flatten(), True), run_frozen
 
     def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """The pruned forward of the [chosen; rejected] batch.
@@ -392,9 +393,12 @@ class PrunedDPOTrainer(DPOTrainer):
             per_token, run_frozen = self._policy_shared(model, inputs, masks, fields, device)
         else:
             per_token, run_frozen = self._policy_unshared(model, inputs, masks, fields, shape, device)
-        with self._reference_context():
-            run_frozen()
+        with self._no_grad_block():
+            frozen = run_frozen()
             reference = self._pruned_reference(model, inputs, masks, response)
+        if frozen is not None:  # the groups fill disjoint cells (zero elsewhere); combined outside no_grad
+            for f in fields:
+                per_token[f] = per_token[f] | frozen[f] if f == "is_top1" else per_token[f] + frozen[f]
 
         on_device = _masks_to(masks, device)
         for f in fields:
