@@ -47,7 +47,7 @@ class PackedGroup:
     input_ids, position_ids, shift_labels, item, segment: (packed_rows, width) long. `item` numbers the items of a row
     (-1 on padding), `segment` says SHARED/CHOSEN/REJECTED; together they define the attention mask (execute.py).
     source: (rows, cols) long, flat index into the packed outputs of the position scoring each grid cell, -1 if none.
-    tokens: real (non-padding) tokens executed; width: packed row length.
+    tokens: real (non-padding) tokens executed; scored: positions through the LM head; width: packed row length.
     """
 
     input_ids: torch.Tensor
@@ -57,6 +57,7 @@ class PackedGroup:
     segment: torch.Tensor
     source: torch.Tensor
     tokens: int
+    scored: int
     width: int
 
 
@@ -71,6 +72,30 @@ class ForwardPlan:
     frozen: PackedGroup | None
     shared_pairs: int
     split_pairs: int
+
+
+def work_counts(host: HostBatch, masks: PruneMasks) -> dict[str, int]:
+    """The micro-step's counts known from the plan alone (host ints: logging them needs no device sync)."""
+    response = host.completion_mask[:, 1:].bool()
+    return dict(
+        positions_scored=int(masks.scored.sum()),
+        grad_positions_scored=int(masks.scored[masks.backprop].sum()),
+        tokens_needed=int(masks.executed.sum()),
+        response_positions=int(response.sum()),
+        chosen_response_positions=int(response.chunk(2)[0].sum()),
+        rows=response.size(0),
+        grad_rows=int(masks.backprop.sum()),
+        full_tokens=host.input_ids.numel(),
+    )
+
+
+def unshared_rows(scored: torch.Tensor, executed: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The unshared forward of the `selected` rows that execute anything: their indices, the width they are trimmed
+    to (the longest executed row) and how many positions they score. An empty group runs 2 tokens (see `pack`)."""
+    rows = torch.nonzero((executed > 0) & selected).flatten()
+    if rows.numel() == 0:
+        return rows, 2, 0
+    return rows, int(executed[rows].max()), int(scored[rows].sum())
 
 
 def common_tokens(host: HostBatch) -> list[int]:
@@ -171,7 +196,8 @@ def pack(host: HostBatch, scored: torch.Tensor, items: list[tuple[int, tuple[int
                 at += end - start
         tokens += at
     # the padding tail of a row repeats its last position id: harmless (it attends only to padding, scores nothing)
-    return PackedGroup(input_ids, position_ids, shift_labels, item, segment, source, tokens, width)
+    scored_positions = int((shift_labels != -100).sum())
+    return PackedGroup(input_ids, position_ids, shift_labels, item, segment, source, tokens, scored_positions, width)
 
 
 def shared_is_cheaper(shared: int, frozen_tail: int, grad_cost: float) -> bool:

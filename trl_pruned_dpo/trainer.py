@@ -31,7 +31,7 @@ from .config import PrunedDPOConfig
 from .estimators import horvitz_thompson, scale_branch_gradient
 from .execute import run_group, unsupported_reason
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
-from .plan import HostBatch, common_tokens, plan_policy, plan_reference
+from .plan import HostBatch, common_tokens, plan_policy, plan_reference, unshared_rows, work_counts
 
 # Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
 REF_TOKEN_COLUMNS = ("ref_chosen_token_logps", "ref_rejected_token_logps")
@@ -232,19 +232,17 @@ class PrunedDPOTrainer(DPOTrainer):
             return None
         return self.accelerator.unwrap_model(self.model).config._attn_implementation
 
-    def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, executed: torch.Tensor):
-        """Run `rows` of the batch, trimmed to the longest executed row, scoring the `scored` positions only.
+    def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, width: int):
+        """Run `rows` of the batch, trimmed to `width` columns, scoring the `scored` positions only.
 
-        `rows`, `scored` and `executed` live on the host (the plan). Returns the fused-head outputs (per-token tensors
-        of shape (len(rows), width - 1)) and the width. An empty `rows` still runs one row of two tokens, scoring
+        `rows` and `scored` live on the host (the plan, `plan.unshared_rows`). Returns the fused-head outputs
+        (per-token tensors of shape (len(rows), width - 1)). An empty `rows` still runs one row of two tokens, scoring
         nothing: every process must run the same modules in the same order (ZeRO-3/FSDP), and a grad group must stay
         connected to the graph.
         """
         if rows.numel() == 0:
-            rows, width = rows.new_zeros(1), 2
+            rows = rows.new_zeros(1)
             scored = torch.zeros_like(scored)
-        else:
-            width = int(executed[rows].max())
         device = inputs["input_ids"].device
         index = rows.to(device, non_blocking=True)
         input_ids = inputs["input_ids"][index, :width]
@@ -263,7 +261,7 @@ class PrunedDPOTrainer(DPOTrainer):
             kwargs[key] = value
         with compact_lm_head():
             outputs = model(input_ids=input_ids, labels=labels, use_cache=False, fused_lm_head=True, **kwargs)
-        return outputs, width
+        return outputs
 
     def _no_grad_block(self) -> contextlib.ExitStack:
         """No grad and no gradient checkpointing (nothing to recompute); nested blocks do not toggle it again."""
@@ -291,17 +289,17 @@ class PrunedDPOTrainer(DPOTrainer):
             with self._reference_context():
                 outputs, _ = run_group(model, group, ("log_probs",), self._share_backend, device)
             self._count("reference_tokens_executed", group.input_ids.numel())
-            self._count("reference_positions_scored", int(scored.sum()))
+            self._count("reference_positions_scored", group.scored)
             return outputs["log_probs"].float()
         executed = executed_columns(scored) if executed is None else executed.cpu()
-        rows = torch.nonzero(executed > 0).flatten()
+        rows, width, positions = unshared_rows(scored, executed, torch.ones_like(executed, dtype=torch.bool))
         per_token = torch.zeros(scored.shape, dtype=torch.float32, device=device)
         with self._reference_context():
-            outputs, width = self._forward_rows(model, inputs, rows, scored, executed)
+            outputs = self._forward_rows(model, inputs, rows, scored, width)
         if rows.numel():
             per_token[rows.to(device), : width - 1] = outputs.log_probs[:, -(width - 1) :].float()
         self._count("reference_tokens_executed", max(rows.numel(), 1) * width)
-        self._count("reference_positions_scored", int(scored[rows].sum()) if rows.numel() else 0)
+        self._count("reference_positions_scored", positions)
         return per_token
 
     def _reference_sums(self, inputs, per_token: torch.Tensor):
@@ -340,12 +338,12 @@ class PrunedDPOTrainer(DPOTrainer):
 
     def _policy_unshared(self, model, inputs, masks: PruneMasks, fields, shape, device):
         """The unshared policy forwards: backpropagated rows with grad; returns (per_token, run_frozen) like above."""
-        needed = masks.executed > 0
 
-        def run(rows, with_grad):
+        def run(with_grad):
+            rows, width, _ = unshared_rows(masks.scored, masks.executed, masks.backprop == with_grad)
             per_token = {f: torch.zeros(shape, dtype=torch.bool if f == "is_top1" else torch.float32, device=device)
                          for f in fields}
-            outputs, width = self._forward_rows(model, inputs, rows, masks.scored, masks.executed)
+            outputs = self._forward_rows(model, inputs, rows, masks.scored, width)
             tokens = max(rows.numel(), 1) * width
             self._count("policy_tokens_executed", tokens)
             if with_grad:
@@ -366,11 +364,10 @@ class PrunedDPOTrainer(DPOTrainer):
             return per_token
 
         def run_frozen():
-            if self.args.branch_keep_prob < 1:  # a structural choice, the same on every process
-                return run(torch.nonzero(needed & ~masks.backprop).flatten(), False)
-            return None
+            # a structural choice, the same on every process
+            return run(False) if self.args.branch_keep_prob < 1 else None
 
-        return run(torch.nonzero(needed & masks.backprop).flatten(), True), run_frozen
+        return run(True), run_frozen
 
     def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """The pruned forward of the [chosen; rejected] batch.
@@ -408,13 +405,8 @@ class PrunedDPOTrainer(DPOTrainer):
         if self.args.branch_keep_prob < 1:
             per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], on_device.branch_scale)
 
-        self._count("positions_scored", int(masks.scored.sum()))
-        self._count("grad_positions_scored", int(masks.scored[masks.backprop].sum()))
-        self._count("tokens_needed", int(masks.executed.sum()))
-        self._count("response_positions", int(self._host_batch(inputs).completion_mask[:, 1:].sum()))
-        self._count("rows", shape[0])
-        self._count("grad_rows", int(masks.backprop.sum()))
-        self._count("full_tokens", inputs["input_ids"].numel())
+        for name, value in work_counts(self._host_batch(inputs), masks).items():
+            self._count(name, value)
         self._last_masks = on_device
         return per_token, reference
 
@@ -464,7 +456,6 @@ class PrunedDPOTrainer(DPOTrainer):
     def _log_pruned_metrics(self, per_token, inputs):
         """The `prune/` fractions, and TRL's token accuracy re-estimated from the scored positions only."""
         masks, stats = self._last_masks, self.last_prune_stats
-        chosen_response = inputs["completion_mask"][:, 1:].bool().chunk(2)[0]
         chosen_weights = masks.weights.chunk(2)[0]
         chosen_top1 = per_token["is_top1"].chunk(2)[0].float()
         counts = torch.tensor(
@@ -476,12 +467,12 @@ class PrunedDPOTrainer(DPOTrainer):
                 stats["full_tokens"],
                 stats["grad_rows"],
                 stats["rows"],
-                float((chosen_top1 * chosen_weights).sum()),
-                int(chosen_response.sum()),
+                stats["chosen_response_positions"],
             ],
             dtype=torch.float64,
-            device=self.accelerator.device,
-        )
+        ).to(self.accelerator.device, non_blocking=True)
+        top1_estimate = (chosen_top1 * chosen_weights).sum().double().reshape(1)
+        counts = torch.cat([counts[:-1], top1_estimate, counts[-1:]])  # device values: the one sync is below
         totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0).tolist()
         (scored, response, executed, grad_tokens, full, grad_rows, rows, top1, chosen_tokens) = totals
         metrics = self._metrics["train"]
@@ -491,3 +482,6 @@ class PrunedDPOTrainer(DPOTrainer):
         metrics["prune/tokens_executed"].append(executed / max(full, 1))
         metrics["prune/tokens_backpropagated"].append(grad_tokens / max(full, 1))
         metrics["prune/branches_backpropagated"].append(grad_rows / max(rows, 1))
+        if self._share_backend is not None:  # which execution the cost model picked (docs/method.md)
+            shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
+            metrics["prune/pairs_shared"].append(shared / max(shared + split, 1))
