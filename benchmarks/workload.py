@@ -11,10 +11,12 @@ A trainer is driven step by step (`StepRunner`) the way `Trainer._inner_training
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
 import random
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -47,9 +49,12 @@ class Workload:
     num_batches: int = 4  # distinct batches, cycled
     seed: int = 0
     model_shape: dict = field(default_factory=lambda: dict(MODEL_SHAPE))
+    shared_response: float = 0.0  # fraction of the chosen response the rejected one repeats at its start (near-copies)
+    name: str = ""  # the workload's name in tables (e.g. "multi-turn")
 
     def label(self) -> str:
-        return f"V{self.vocab_size // 1024}k_R{self.response_len}_B{self.batch_size}"
+        base = f"V{self.vocab_size // 1024}k_P{self.prompt_len}_R{self.response_len}_B{self.batch_size}"
+        return f"{self.name}:{base}" if self.name else base
 
 
 def quiet():
@@ -72,6 +77,19 @@ def quiet():
         transformers.logging.set_verbosity_error()
     except ImportError:
         pass
+
+
+_SCRATCH: list = []
+
+
+def scratch_dir(side: str) -> str:
+    """An output folder for a benchmark trainer (it never saves): inside one temporary folder per process, removed
+    when the process exits, so runs leave no `bench_*` folders behind in the system temp directory."""
+    if not _SCRATCH:
+        root = tempfile.mkdtemp(prefix="bench_")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _SCRATCH.append(root)
+    return tempfile.mkdtemp(prefix=f"{side}_", dir=_SCRATCH[0])
 
 
 def build_tokenizer(vocab_size: int):
@@ -100,8 +118,12 @@ def build_dataset(w: Workload):
     for _ in range(w.batch_size * w.num_batches):
         rows["prompt"].append(words(rng.randint(3 * w.prompt_len // 4, w.prompt_len)))
         # The leading space keeps prompt + completion a word boundary, so TRL's prompt/completion split is exact.
-        rows["chosen"].append(" " + words(rng.randint(3 * w.response_len // 4, w.response_len) - 1))
-        rows["rejected"].append(" " + words(rng.randint(3 * w.response_len // 4, w.response_len) - 1))
+        chosen = words(rng.randint(3 * w.response_len // 4, w.response_len) - 1).split()
+        rejected = words(rng.randint(3 * w.response_len // 4, w.response_len) - 1).split()
+        common = int(w.shared_response * len(chosen))
+        rejected = chosen[:common] + rejected[common:]  # near-copies: the same start, then their own tokens
+        rows["chosen"].append(" " + " ".join(chosen))
+        rows["rejected"].append(" " + " ".join(rejected))
     return Dataset.from_dict(rows)
 
 
@@ -120,7 +142,9 @@ def build_model(w: Workload, dtype=torch.float32):
     return Qwen2ForCausalLM(config).to(dtype)
 
 
-PRUNING_FIELDS = ("branch_keep_prob", "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_sampling")
+PRUNING_FIELDS = (
+    "branch_keep_prob", "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_sampling", "share_prompt",
+)
 
 
 def build_trainer(
@@ -152,7 +176,7 @@ def build_trainer(
         raise ValueError(f"side must be 'stock' or 'pruned', got {side!r}")
 
     args = config_cls(
-        output_dir=output_dir or tempfile.mkdtemp(prefix=f"bench_{side}_"),
+        output_dir=output_dir or scratch_dir(side),
         per_device_train_batch_size=w.batch_size,
         max_length=None,  # no truncation: the response lengths are what the cell says
         gradient_checkpointing=checkpointing,
