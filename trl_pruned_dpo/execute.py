@@ -17,6 +17,11 @@ DENSE_MASK_BACKENDS = ("sdpa", "eager")
 SUPPORTED_BACKENDS = DENSE_MASK_BACKENDS + ("flex_attention",)
 
 
+def row_multiple(backend: str) -> int:
+    """What the packed row length is rounded up to: FlexAttention's block size (it compiles per shape), else 1."""
+    return 128 if backend == "flex_attention" else 1
+
+
 def unsupported_reason(model) -> str | None:
     """Why `model` cannot run packed shared-prompt rows exactly (None if it can). Checked once, before training."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -128,13 +128,16 @@ def _item_segments(pair: int, pairs: int, rows: tuple[int, ...], s: int, need: l
     return segments
 
 
-def pack(host: HostBatch, scored: torch.Tensor, items: list[tuple[int, tuple[int, ...]]], common: list[int]) -> PackedGroup:
+def pack(
+    host: HostBatch, scored: torch.Tensor, items: list[tuple[int, tuple[int, ...]]], common: list[int], multiple: int = 1
+) -> PackedGroup:
     """Pack `items` ((pair, rows): both rows of a pair shared, or one row alone) into one forward.
 
     Only positions up to each row's last scored column run (prefix pruning cuts branches early); only scored positions
     carry a label (position pruning: only they reach the LM head). An empty group still runs two tokens of row 0 with
     no label: every process must run the same modules in the same order (ZeRO-3/FSDP), and a grad group must stay
-    connected to the graph.
+    connected to the graph. `multiple`: round the row length up to it (FlexAttention compiles per shape and works in
+    blocks of 128: fewer distinct shapes, no partial block).
     """
     ids = host.input_ids
     pairs, cols = ids.size(0) // 2, scored.size(1)
@@ -162,7 +165,7 @@ def pack(host: HostBatch, scored: torch.Tensor, items: list[tuple[int, tuple[int
             packed_rows.append([segments])
             free.append(width - length)
 
-    shape = (len(packed_rows), width)
+    shape = (len(packed_rows), -(-width // multiple) * multiple)
     input_ids = torch.zeros(shape, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
     shift_labels = torch.full(shape, -100, dtype=torch.long)
@@ -188,7 +191,7 @@ def pack(host: HostBatch, scored: torch.Tensor, items: list[tuple[int, tuple[int
                 labels = torch.full((end - start,), -100, dtype=torch.long)
                 labels[wanted] = ids[row, positions[wanted] + 1]
                 shift_labels[r, span] = labels
-                flat = r * width + at + torch.arange(end - start)
+                flat = r * shape[1] + at + torch.arange(end - start)
                 for dest in destinations:
                     hit = wanted & in_grid
                     hit[in_grid] &= scored[dest, positions[in_grid]]
@@ -197,7 +200,7 @@ def pack(host: HostBatch, scored: torch.Tensor, items: list[tuple[int, tuple[int
         tokens += at
     # the padding tail of a row repeats its last position id: harmless (it attends only to padding, scores nothing)
     scored_positions = int((shift_labels != -100).sum())
-    return PackedGroup(input_ids, position_ids, shift_labels, item, segment, source, tokens, scored_positions, width)
+    return PackedGroup(input_ids, position_ids, shift_labels, item, segment, source, tokens, scored_positions, shape[1])
 
 
 def shared_is_cheaper(shared: int, frozen_tail: int, grad_cost: float) -> bool:
@@ -211,7 +214,7 @@ def shared_is_cheaper(shared: int, frozen_tail: int, grad_cost: float) -> bool:
 
 
 def plan_policy(
-    host: HostBatch, masks: PruneMasks, *, frozen_group: bool, grad_cost: float, common: list[int]
+    host: HostBatch, masks: PruneMasks, *, frozen_group: bool, grad_cost: float, common: list[int], multiple: int = 1
 ) -> ForwardPlan:
     """The shared policy forwards. `frozen_group`: branch pruning is on (structural, the same on every process).
 
@@ -240,13 +243,13 @@ def plan_policy(
             grad_items.append((pair, (grad_row,)))
             frozen_items.append((pair, (frozen_row,)))
             split_pairs += 1
-    grad = pack(host, scored, grad_items, common)
-    frozen = pack(host, scored, frozen_items, common) if frozen_group else None
+    grad = pack(host, scored, grad_items, common, multiple)
+    frozen = pack(host, scored, frozen_items, common, multiple) if frozen_group else None
     return ForwardPlan(grad, frozen, shared_pairs, split_pairs)
 
 
-def plan_reference(host: HostBatch, scored: torch.Tensor, common: list[int]) -> PackedGroup:
+def plan_reference(host: HostBatch, scored: torch.Tensor, common: list[int], multiple: int = 1) -> PackedGroup:
     """The shared reference forward (never backpropagated): every pair is one item, which always saves."""
     scored = scored.cpu()
     pairs = scored.size(0) // 2
-    return pack(host, scored, [(pair, (pair, pair + pairs)) for pair in range(pairs)], common)
+    return pack(host, scored, [(pair, (pair, pair + pairs)) for pair in range(pairs)], common, multiple)

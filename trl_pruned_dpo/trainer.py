@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from ._trl import DPOTrainer, compact_lm_head, disable_gradient_checkpointing, use_adapter
 from .config import PrunedDPOConfig
 from .estimators import horvitz_thompson, scale_branch_gradient
-from .execute import run_group, unsupported_reason
+from .execute import row_multiple, run_group, unsupported_reason
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
 from .plan import HostBatch, common_tokens, plan_policy, plan_reference, unshared_rows, work_counts
 
@@ -285,7 +285,7 @@ class PrunedDPOTrainer(DPOTrainer):
         device = inputs["input_ids"].device
         if self._share_backend is not None and self._can_share(inputs):
             host = self._host_batch(inputs)
-            group = plan_reference(host, scored, common_tokens(host))
+            group = plan_reference(host, scored, common_tokens(host), row_multiple(self._share_backend))
             with self._reference_context():
                 outputs, _ = run_group(model, group, ("log_probs",), self._share_backend, device)
             self._count("reference_tokens_executed", group.input_ids.numel())
@@ -320,7 +320,7 @@ class PrunedDPOTrainer(DPOTrainer):
         common = common_tokens(host)
         grad_cost = 4.0 if self.args.gradient_checkpointing else 3.0  # forward + backward (+ recompute), Eq. in method
         plan = plan_policy(host, masks, frozen_group=self.args.branch_keep_prob < 1, grad_cost=grad_cost,
-                           common=common)
+                           common=common, multiple=row_multiple(self._share_backend))
         per_token, _ = run_group(model, plan.grad, fields, self._share_backend, device)
         executed = plan.grad.input_ids.numel()
         self._count("policy_tokens_executed", executed)
