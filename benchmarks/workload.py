@@ -82,14 +82,19 @@ def quiet():
 _SCRATCH: list = []
 
 
-def scratch_dir(side: str) -> str:
-    """An output folder for a benchmark trainer (it never saves): inside one temporary folder per process, removed
-    when the process exits, so runs leave no `bench_*` folders behind in the system temp directory."""
+def scratch_root() -> str:
+    """One temporary folder per process, removed when the process exits (forked children that `os._exit` share their
+    parent's), so runs leave no `bench_*` folders behind in the system temp directory."""
     if not _SCRATCH:
         root = tempfile.mkdtemp(prefix="bench_")
         atexit.register(shutil.rmtree, root, ignore_errors=True)
         _SCRATCH.append(root)
-    return tempfile.mkdtemp(prefix=f"{side}_", dir=_SCRATCH[0])
+    return _SCRATCH[0]
+
+
+def scratch_dir(side: str) -> str:
+    """An output folder for a benchmark trainer (it never saves), inside `scratch_root()`."""
+    return tempfile.mkdtemp(prefix=f"{side}_", dir=scratch_root())
 
 
 def build_tokenizer(vocab_size: int):
