@@ -78,3 +78,15 @@ def test_smoke_run_writes_results(tmp_path):
     assert (out / "step_time.csv").read_text().startswith("kind,")
     pytest.importorskip("matplotlib")
     assert (out / "step_time.png").stat().st_size > 0
+
+
+def test_warns_when_the_machine_is_loaded(monkeypatch, capsys):
+    from benchmarks import step_time
+
+    monkeypatch.setattr(step_time.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(step_time.os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    step_time.warn_if_loaded()
+    assert "load average 5.0 exceeds the 2 cores" in capsys.readouterr().err
+    monkeypatch.setattr(step_time.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    step_time.warn_if_loaded()
+    assert capsys.readouterr().err == ""

@@ -321,6 +321,7 @@ class PrunedDPOTrainer(DPOTrainer):
         grad_cost = 4.0 if self.args.gradient_checkpointing else 3.0  # forward + backward (+ recompute), Eq. in method
         plan = plan_policy(host, masks, frozen_group=self.args.branch_keep_prob < 1, grad_cost=grad_cost,
                            common=common, multiple=row_multiple(self._share_backend))
+        # (the grad group's model outputs, `_` here, are where a MoE router's aux_loss would be collected)
         per_token, _ = run_group(model, plan.grad, fields, self._share_backend, device)
         executed = plan.grad.input_ids.numel()
         self._count("policy_tokens_executed", executed)
