@@ -151,7 +151,8 @@ def main(argv=None):
     import transformers
     import trl
 
-    meta = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "dry run on CPU", torch=torch.__version__, transformers=transformers.__version__,
+    meta = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "dry run on CPU",
+                torch=torch.__version__, transformers=transformers.__version__,
                 trl=trl.__version__, dtype="bf16", checkpointing=True, reference="live",
                 warmup=args.warmup, steps=args.steps, started=time.strftime("%Y-%m-%d %H:%M:%S"))
     print("gpu_check:", json.dumps(meta), flush=True)

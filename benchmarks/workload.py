@@ -148,7 +148,8 @@ def build_model(w: Workload, dtype=torch.float32):
 
 
 PRUNING_FIELDS = (
-    "branch_keep_prob", "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_sampling", "share_prompt",
+    "branch_keep_prob", "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_sampling",
+    "share_prompt",
 )
 
 

@@ -30,7 +30,8 @@ def unsupported_reason(model) -> str | None:
         return f"attention implementation {backend!r} cannot take a packed 4D mask (use one of {SUPPORTED_BACKENDS})"
     layer_types = set(getattr(config, "layer_types", None) or ())
     if layer_types - {"full_attention"}:
-        return f"the model has {sorted(layer_types - {'full_attention'})} layers, whose own masks a packed mask would replace"
+        other = sorted(layer_types - {"full_attention"})
+        return f"the model has {other} layers, whose own masks a packed mask would replace"
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and not layer_types:
         return f"the model uses a sliding attention window ({window}), which a packed mask would drop"

@@ -89,7 +89,9 @@ def work_counts(host: HostBatch, masks: PruneMasks) -> dict[str, int]:
     )
 
 
-def unshared_rows(scored: torch.Tensor, executed: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def unshared_rows(
+    scored: torch.Tensor, executed: torch.Tensor, selected: torch.Tensor
+) -> tuple[torch.Tensor, int, int]:
     """The unshared forward of the `selected` rows that execute anything: their indices, the width they are trimmed
     to (the longest executed row) and how many positions they score. An empty group runs 2 tokens (see `pack`)."""
     rows = torch.nonzero((executed > 0) & selected).flatten()
@@ -129,7 +131,11 @@ def _item_segments(pair: int, pairs: int, rows: tuple[int, ...], s: int, need: l
 
 
 def pack(
-    host: HostBatch, scored: torch.Tensor, items: list[tuple[int, tuple[int, ...]]], common: list[int], multiple: int = 1
+    host: HostBatch,
+    scored: torch.Tensor,
+    items: list[tuple[int, tuple[int, ...]]],
+    common: list[int],
+    multiple: int = 1,
 ) -> PackedGroup:
     """Pack `items` ((pair, rows): both rows of a pair shared, or one row alone) into one forward.
 
@@ -218,9 +224,9 @@ def plan_policy(
 ) -> ForwardPlan:
     """The shared policy forwards. `frozen_group`: branch pruning is on (structural, the same on every process).
 
-    A pair whose branches are both backpropagated (or both frozen) is one shared item; a pair with one of each is shared in the
-    grad group (its frozen branch then runs with grad and gets a zero gradient, Eq. 3) when that is cheaper than
-    running the frozen branch separately under no_grad, and split otherwise.
+    A pair whose branches are both backpropagated (or both frozen) is one shared item; a pair with one of each is
+    shared in the grad group (its frozen branch then runs with grad and gets a zero gradient, Eq. 3) when that is
+    cheaper than running the frozen branch separately under no_grad, and split otherwise.
     """
     scored, backprop = masks.scored.cpu(), masks.backprop.cpu().tolist()
     pairs = scored.size(0) // 2
