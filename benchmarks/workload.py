@@ -177,7 +177,9 @@ def build_trainer(
     elif side == "pruned":
         from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
-        config_cls, trainer_cls, extra = PrunedDPOConfig, PrunedDPOTrainer, dict(pruning or {})
+        config_cls, extra = PrunedDPOConfig, dict(pruning or {})
+        # nothing pruned (the `none` row): time the plugin's forward, not the TRL path it delegates to
+        trainer_cls = PrunedDPOTrainer if extra else _plugin_forward_trainer()
     else:
         raise ValueError(f"side must be 'stock' or 'pruned', got {side!r}")
 
@@ -209,6 +211,33 @@ def build_trainer(
         train_dataset=build_dataset(w),
         processing_class=build_tokenizer(w.vocab_size),
     )
+
+
+def _plugin_forward_trainer():
+    """The `none` row's trainer: the plugin's own forward with nothing pruned (compacted head, masks at identity).
+
+    With pruning off, `PrunedDPOTrainer` is TRL's own path (a drop-in); the benchmark's `none` row measures the
+    plugin's machinery instead, so that "vs none" isolates what each pruning buys. Benchmark-only, through the same
+    private seams as the parity tests (`_uses_pruned_forward`, `_pruned_loss`); no public flag.
+    """
+    from trl_pruned_dpo import PrunedDPOTrainer
+    from trl_pruned_dpo.trainer import _HostCopyCollator, _PerTokenReferenceCollator
+
+    class PluginForwardAtIdentity(PrunedDPOTrainer):
+        _uses_pruned_forward = True  # the per-token reference columns are stored and kept, as with pruning on
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.args.precompute_ref_log_probs:
+                self.data_collator = _PerTokenReferenceCollator(self.data_collator)
+            self.data_collator = _HostCopyCollator(self.data_collator)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not self.model.training:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return self._pruned_loss(model, inputs, return_outputs)
+
+    return PluginForwardAtIdentity
 
 
 class StepRunner:

@@ -3,7 +3,7 @@
 import pytest
 from trl import DPOConfig
 
-from conftest import build_trainer
+from tiny import build_trainer
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 
@@ -39,7 +39,8 @@ def test_non_numeric_probability_is_rejected():
 
 def test_unknown_loss_type_is_rejected_up_front():
     with pytest.raises(ValueError, match="Unknown `loss_type`.*'sigmoid'"):
-        config(loss_type=["sigmoidd"])
+        config(loss_type=["sigmoidd"], position_keep_prob=0.5)
+    assert config(loss_type=["sigmoidd"]).loss_type == ["sigmoidd"]  # pruning off: stock accepts it here
 
 
 @pytest.mark.parametrize(
@@ -73,14 +74,37 @@ def test_fields_come_from_a_parser():
     assert args.branch_keep_prob == 0.5 and args.branch_sampling == "independent" and not args.prune_reference
 
 
-def test_trainer_needs_a_pruned_config(tokenizer, dataset, tmp_path):
-    with pytest.raises(TypeError, match="PrunedDPOConfig"):
-        build_trainer(PrunedDPOTrainer, DPOConfig, tokenizer, dataset, tmp_path)
+def test_trainer_promotes_a_plain_dpo_config_with_pruning_off(tokenizer, dataset, tmp_path):
+    """A drop-in takes stock's config: the same settings, pruning at its identity (TRL's own path)."""
+    trainer = build_trainer(PrunedDPOTrainer, DPOConfig, tokenizer, dataset, tmp_path, beta=0.3, max_steps=1)
+    assert isinstance(trainer.args, PrunedDPOConfig) and not trainer.args.pruning_enabled
+    assert trainer.args.beta == 0.3 and trainer.args.prune_seed == trainer.args.seed
+    trainer.train()
+    assert not any(k.startswith("prune/") for k in trainer.state.log_history[0])
 
 
-def test_vision_datasets_are_rejected(tokenizer, tmp_path):
+def test_vision_data_with_a_text_model_raises_trls_own_error(tokenizer, tmp_path):
     from datasets import Dataset
 
     data = Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c", "images": []}])
-    with pytest.raises(ValueError, match="text datasets only"):
-        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path)
+    with pytest.raises(ValueError, match="vision-related.*vision-language model"):
+        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path, position_keep_prob=0.5)
+
+
+def test_unset_bf16_follows_the_hardware_and_explicit_values_are_kept():
+    """DPOConfig's unset bf16 means True, which transformers refuses on a machine without bf16 (this CPU CI)."""
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    unset = PrunedDPOConfig(output_dir="unused", report_to="none")
+    assert unset.bf16 is is_torch_bf16_gpu_available()
+    assert PrunedDPOConfig(output_dir="unused", report_to="none", bf16=False).bf16 is False
+    assert PrunedDPOConfig(output_dir="unused", report_to="none", fp16=False, use_cpu=True).bf16 is True  # as stock
+    if not is_torch_bf16_gpu_available():
+        with pytest.raises(ValueError, match="bf16"):  # explicit bf16 on a machine without it: refused, not changed
+            PrunedDPOConfig(output_dir="unused", report_to="none", bf16=True)
+
+
+@pytest.mark.parametrize("seed", ["abc", 1.5, True])
+def test_prune_seed_must_be_an_integer(seed):
+    with pytest.raises(TypeError, match="prune_seed"):
+        config(prune_seed=seed)

@@ -199,7 +199,10 @@ def test_pruning_off_matches_stock_on_two_processes(engine_run, off_run):
             for key, value in hs.items():
                 if isinstance(value, float) and key not in ("epoch", "learning_rate"):
                     assert ho[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (rank, hs["step"], key)
-            assert ho["prune/branches_backpropagated"] == 1.0 and ho["prune/positions_scored"] == 1.0
+            if off_run == "off":  # pruning off is TRL's own path: stock's metrics
+                assert not any(k.startswith("prune/") for k in ho)
+            else:  # share_prompt runs the plugin's forward, exactly: stock's metrics plus the prune/ fractions
+                assert ho["prune/branches_backpropagated"] == 1.0 and ho["prune/positions_scored"] == 1.0
     w_stock, w_off = weights(out, "stock", 0), weights(out, off_run, 0)
     for key in w_stock:
         torch.testing.assert_close(w_off[key], w_stock[key], rtol=1e-4, atol=1e-6, msg=key)
@@ -290,3 +293,26 @@ def test_every_engine_ends_where_ddp_ends(tmp_path_factory, engine):
         assert w_ddp.keys() == w_other.keys()
         for key in w_ddp:
             torch.testing.assert_close(w_other[key], w_ddp[key], rtol=1e-4, atol=1e-5, msg=f"{run['name']}: {key}")
+
+
+@pytest.mark.slow
+def test_precomputed_reference_is_sharded_and_gathered_in_dataset_order(engine_run, tmp_path):
+    """Each rank precomputes a shard of the batches; after the gather every rank stores what one process stores."""
+    import importlib.util
+
+    _, out = engine_run
+    spec = importlib.util.spec_from_file_location("run_pruned", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    run = next(r for r in RUNS if r["name"] == "precompute")
+    run = {**run, "config": {**run["config"], "ddp_backend": None}}  # this one process: no process group
+    dataset = runner.Dataset.from_list(runner.preference_rows(16))
+    single = runner.build(run, tmp_path, runner.char_tokenizer(), dataset).train_dataset[:]
+    for rank in range(WORLD):
+        stored = report(out, "precompute", rank)["stored_reference"]
+        assert set(stored) == set(runner.STORED_REFERENCE)
+        for column, values in stored.items():
+            expected = single[column]
+            assert len(values) == len(expected), column
+            for got, want in zip(values, expected):
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5, msg=column)

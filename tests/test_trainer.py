@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from conftest import build_trainer, first_batch, loss_and_grads, preference_rows, tiny_model
+from tiny import build_trainer, first_batch, loss_and_grads, preference_rows, tiny_model
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 ALL_ON = dict(position_keep_prob=0.5, prefix_prune_prob=0.5, branch_keep_prob=0.5)
@@ -42,7 +42,9 @@ EDGE_ROWS = {
     "response of length 1": [{"prompt": "2+2=", "chosen": "", "rejected": "5"}] * 4,  # chosen is EOS only
     "very unequal lengths": [{"prompt": "say: ", "chosen": "a", "rejected": "b" * 300}] * 2
     + [{"prompt": "x" * 200 + ": ", "chosen": "y", "rejected": "z"}] * 2,
-    "identical responses": [{"prompt": "p: ", "chosen": "same answer", "rejected": "same answer"}] * 4,
+    # Mixed with a normal pair: a dataset of identical pairs only is refused (tests/test_data_checks.py).
+    "identical responses": [{"prompt": "p: ", "chosen": "same answer", "rejected": "same answer"}] * 3
+    + [{"prompt": "p: ", "chosen": "right answer", "rejected": "wrong answer"}],
 }
 
 

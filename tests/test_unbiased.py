@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import trl_pruned_dpo.trainer as trainer_module
-from conftest import build_trainer, first_batch
+from tiny import build_trainer, first_batch
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 IDENTITY = dict(position_keep_prob=1.0, prefix_prune_prob=0.0, branch_keep_prob=1.0, prune_common_prefix=False)

@@ -12,7 +12,8 @@ Departures from `trl dpo`, all on purpose:
 - bad input (missing config, unknown key, invalid value, missing columns, unreachable model or dataset) is reported
   as one line naming the problem and the fix, exit code 2, before the output folder is created;
 - when an eval split is configured, the run ends with an evaluation, and prints a summary of what ran (steps, time,
-  and the fractions of the graph that pruning kept, read from the logged `prune/*` metrics).
+  and the fractions of the graph that pruning kept, read from the logged `prune/*` metrics);
+- `--compare` trains stock `trl.DPOTrainer`, then `PrunedDPOTrainer`, on the same config and prints both (demo/compare.py).
 """
 
 import os
@@ -23,6 +24,13 @@ import time
 from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
+
+_PROGRAM_STARTED = time.perf_counter()  # this module loads first (the package imports lazily): the program's start
+
+from .run_control import (  # noqa: E402 - after the start time
+    RUN_ERRORS, closing_lines, disk_full_as_error, exit_code, launcher_stop_code, output_lock, preflight, remember_command,
+    stop_on_signals,
+)
 
 PROG = "trl-pruned-dpo"
 _CHILD_ENV = "TRL_PRUNED_DPO_LAUNCHED"  # set by the launching process: its children train instead of relaunching
@@ -110,7 +118,9 @@ def parse(argv: list[str]):
                 "from the repository), or give every option as a flag."
             )
     parser = make_parser()
+    parser.error = _raise_usage_error  # one line instead of ~165 lines of usage
     try:
+        check_yaml_value_types(parser, argv)
         *parsed, config_remaining, cli_remaining = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
         )
@@ -123,8 +133,8 @@ def parse(argv: list[str]):
         if not (_split_remaining(config_remaining + cli_remaining, _accelerate_options())[0] and
                 not _under_launcher()):
             message = " ".join(str(error).split())
-            if "bf16" in message:  # transformers suggests `use_cpu`; the usual cause is DPOConfig's bf16=True default
-                message += " (DPOConfig defaults to bf16=True: without a bf16 device pass `--bf16 false`.)"
+            if "bf16" in message:  # transformers suggests `use_cpu`; here bf16 was asked for explicitly
+                message += " (bf16 was set to true: without a bf16 device pass `--bf16 false`, or leave it unset.)"
             raise InputError(f"invalid configuration: {message} Fix it in the YAML or on the command line.") from None
     known = _accelerate_options()
     config_launch, config_unknown = _split_remaining(config_remaining, known)
@@ -145,7 +155,58 @@ def parse(argv: list[str]):
             launch_args = resolve_accelerate_config_argument(launch_args)
         except ValueError as error:
             raise InputError(f"{error} (this repository's configs/accelerate/*.yaml are paths)") from None
+    if parsed[1] is not None:
+        check_output_dir(parsed[1].output_dir)
     return (*parsed, launch_args, cli_remaining)
+
+
+def _raise_usage_error(message: str):
+    """`parser.error`: argparse would print the whole usage (~165 lines) before the one line that matters."""
+    raise InputError(f"{message}. Fix it in the YAML or on the command line (`{PROG} --help` lists every option).")
+
+
+def check_yaml_value_types(parser, argv: list[str]) -> None:
+    """Refuse YAML values of the wrong type. The YAML becomes argparse defaults, and argparse converts (and checks)
+    only string defaults: `per_device_train_batch_size: 2.5` would reach the dataclasses unchecked and fail deep in
+    training with a traceback."""
+    import yaml
+    from transformers.hf_argparser import string_to_bool
+
+    if "--config" not in argv:
+        return
+    config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+    actions = {action.dest: action for action in parser._actions}
+    expected = {int: "an integer", float: "a number", string_to_bool: "true or false"}
+    for key, value in (config if isinstance(config, dict) else {}).items():
+        action = actions.get(key)
+        if action is None or action.type not in expected or value is None or isinstance(value, str):
+            continue  # unknown keys are reported later; strings are converted and checked by argparse
+        for item in value if isinstance(value, list) and action.nargs in ("+", "*") else [value]:
+            wrong = isinstance(item, bool) != (action.type is string_to_bool) or (
+                action.type is int and not isinstance(item, int)) or (
+                action.type is float and not isinstance(item, (int, float)))
+            if wrong:
+                raise InputError(f"YAML key `{key}` must be {expected[action.type]}, got {item!r}: fix it in the "
+                                 "config file.")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Refuse an output folder that cannot be created or written (under a file, in /proc, read-only), before any
+    work: the trainer would otherwise fail with a traceback after loading the model and the data."""
+    import tempfile
+
+    path = Path(output_dir).expanduser().absolute()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"output_dir {output_dir!r} cannot be created: {existing} is a file. Choose another "
+                         "`output_dir`.")
+    try:  # os.access says yes to root even on /proc: try for real, with a probe folder removed at once
+        os.rmdir(tempfile.mkdtemp(prefix=".trl-pruned-dpo-probe-", dir=existing))
+    except OSError as error:
+        raise InputError(f"output_dir {output_dir!r} cannot be written ({existing}: "
+                         f"{error.strerror or error}). Choose another `output_dir`.") from None
 
 
 # --- launching --------------------------------------------------------------------------------------------------------
@@ -179,6 +240,11 @@ def launch(launch_args: list[str], training_argv: list[str]) -> int:
         launch_command(args)
     except subprocess.CalledProcessError as error:  # the children printed their own error
         return error.returncode or 1
+    except Exception as error:  # SIGTERM/SIGINT forwarded to the children, which stopped and said so (run_control.py)
+        code = launcher_stop_code(error)
+        if code is None:
+            raise
+        return code
     return 0
 
 
@@ -272,6 +338,8 @@ def load_data(script_args, dataset_args):
                          "`datasets`.")
     elif name.startswith(BUILTIN_PREFIX):
         load = partial(load_builtin, name)
+    elif Path(name).expanduser().is_file():
+        load = partial(load_dataset, _file_builder(name), data_files=str(Path(name).expanduser()))
     else:
         load = partial(load_dataset, name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     try:
@@ -282,6 +350,18 @@ def load_data(script_args, dataset_args):
         hint = " (the Hub is offline or unreachable and it is not cached)" if constants.HF_HUB_OFFLINE else ""
         raise InputError(f"cannot load dataset {name}: {_first_line(error)}{hint}. Fix the name, split or config, "
                          "or pass a local folder or builtin:mix.") from None
+
+
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def _file_builder(name: str) -> str:
+    """The `datasets` builder for a local data file (its rows become the `train` split)."""
+    builder = _FILE_BUILDERS.get(Path(name).suffix.lower())
+    if builder is None:
+        raise InputError(f"dataset file {name!r} has an unknown format: use {sorted(_FILE_BUILDERS)} or a folder "
+                         "of them.")
+    return builder
 
 
 def check_splits(dataset, name: str, script_args, training_args):
@@ -364,7 +444,7 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
         share = _mean(history, key)
         suffix = {"prune/tokens_executed": " of the full graph", "prune/positions_scored": " of response positions"}
         lines.append((label, "n/a" if share is None else f"{100 * share:.1f}%{suffix.get(key, '')}"))
-    lines.append(("saved", f"{args.output_dir} (model and tokenizer)"))
+    lines += closing_lines(trainer)  # worst values, resume note, saved model or where the run stopped
     return "\n".join(line if isinstance(line, str) else f"  {line[0]:<24} {line[1]}" for line in lines)
 
 
@@ -388,6 +468,7 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
 
     started = time.perf_counter() if started is None else started
     _apply_thread_count()
+    preflight(training_args)  # output_dir writable and free, resume possible: one line before any work
     names = [model_args.model_name_or_path, script_args.dataset_name]
     if training_args.push_to_hub or dataset_args.datasets or any(_is_hub_id(n) for n in names):
         if _hub_unreachable():
@@ -407,7 +488,7 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
-    with _OutputGuard(training_args.output_dir):
+    with _OutputGuard(training_args.output_dir), output_lock(training_args.output_dir):
         try:
             trainer = PrunedDPOTrainer(
                 model=model_path,
@@ -427,19 +508,22 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
             trainer.model._ddp_params_and_buffers_to_ignore = [
                 name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
             ]
-        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        with stop_on_signals(trainer) as stop:
+            trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         evaluated = [e.get("step") for e in trainer.state.log_history if "eval_loss" in e]
-        if eval_dataset is not None and trainer.state.global_step not in evaluated:
+        if eval_dataset is not None and trainer.state.global_step not in evaluated and not stop.signal_number:
             trainer.evaluate()
-        trainer.save_model(training_args.output_dir)
+        if not stop.signal_number:  # a stopped run leaves its checkpoint, not a final model that looks finished
+            with disk_full_as_error("the final model", training_args.output_dir):
+                trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(summarize(trainer, model_args.model_name_or_path, model_path,
                                         time.perf_counter() - started))
-    if training_args.push_to_hub:
+    if training_args.push_to_hub and not stop.signal_number:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
         trainer.accelerator.print(f"Model pushed to the Hub: {trainer.hub_model_id}")
     if Version(transformers.__version__) >= Version("5.18.0"):
         trainer.end()
-    return 0
+    return stop.exit_code
 
 
 # --- entry point ------------------------------------------------------------------------------------------------------
@@ -451,30 +535,49 @@ def _print_error(message: str) -> None:
     print(prefix + message, file=sys.stderr, flush=True)
 
 
-def _process_started() -> float:
-    """`time.perf_counter()` at process start (Linux), so the summary's total includes the imports that ran before
-    `main`; elsewhere, now."""
-    now = time.perf_counter()
-    try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return now - max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return now
+def silence_library_noise() -> None:
+    """Hide other libraries' messages that are not the user's business: deprecation notices about names TRL itself
+    passes (`gradient_checkpointing`, printed even when it is false), DataLoader's pin_memory notice on a machine
+    without an accelerator, and bitsandbytes' CPU-kernel notice (printed on import, QLoRA or not)."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"'pin_memory' argument is set as true but no accelerator",
+                            category=UserWarning)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+        lambda record: "gemm_4bit_forward" not in record.getMessage())
+
+
+def _compare(script_args, training_args, model_args, dataset_args, launch_args) -> int:
+    if launch_args:
+        raise InputError(f"--compare runs both trainers in this process: drop the accelerate options {launch_args}.")
+    from .demo.compare import compare
+
+    return compare(script_args, training_args, model_args, dataset_args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console script `trl-pruned-dpo` and `python -m trl_pruned_dpo`. Returns the exit code."""
-    started = _process_started()
+    started = _PROGRAM_STARTED if argv is None else time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
+    remember_command(argv)
+    silence_library_noise()
+    compare = "--compare" in argv  # stock DPOTrainer, then the pruned one, side by side (demo/compare.py)
+    argv = [a for a in argv if a != "--compare"]
     try:
         script_args, training_args, model_args, dataset_args, launch_args, cli_remaining = parse(argv)
+        if compare:
+            return _compare(script_args, training_args, model_args, dataset_args, launch_args)
         if launch_args and not _under_launcher():
             return launch(launch_args, _without(argv, cli_remaining))
         return train(script_args, training_args, model_args, dataset_args, started)
     except InputError as error:
         _print_error(str(error))
         return 2
+    except RUN_ERRORS as error:  # run_control.py: bad resume or output_dir (2), diverged or disk full (1)
+        _print_error(" ".join(str(error).split()))
+        return exit_code(error)
     except KeyboardInterrupt:
         _print_error("interrupted.")
         return 130

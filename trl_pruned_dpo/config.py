@@ -1,7 +1,7 @@
 """`PrunedDPOConfig`: TRL's `DPOConfig` plus the sampling probabilities of the three prunings.
 
 Data only, like `DPOConfig`: the field help is the documentation, and `__post_init__` rejects values that cannot work
-before any model is loaded. The semantics of every field are in docs/method.md (derived in shared METHOD.md).
+before any model is loaded. The semantics of every field are in docs/method.md.
 """
 
 from dataclasses import dataclass, field
@@ -27,6 +27,10 @@ class PrunedDPOConfig(DPOConfig):
     r"""
     Configuration of [`PrunedDPOTrainer`]: every [`~trl.DPOConfig`] field, plus the pruning fields below. With the
     defaults (keep probabilities 1, no prefix pruning) training is the stock DPO computation.
+
+    One departure from `DPOConfig`'s defaults: `bf16` left unset becomes `False` on a machine without bf16 support
+    (no bf16 GPU, no XLA: e.g. a CPU-only one), where `DPOConfig`'s unset-means-`True` makes transformers refuse to
+    start. Everywhere stock TRL runs, the value is stock's; an explicit `bf16=True` is never changed.
 
     Parameters:
         position_keep_prob (`float`, *optional*, defaults to `1.0`):
@@ -61,8 +65,13 @@ class PrunedDPOConfig(DPOConfig):
             unshared forward, for every loss type, for the policy and the reference. Models whose attention cannot
             take such a mask fall back to the unshared forward with one warning.
         prune_seed (`int`, *optional*):
-            Seed of the mask generator. Defaults to `seed`. Masks are a function of (prune_seed, global step,
+            Seed of the mask generator (an integer). Defaults to `seed`. Masks are a function of (prune_seed, global step,
             micro-step, process rank) only; they never draw from the global RNG.
+        allow_pruning_change_on_resume (`bool`, *optional*, defaults to `False`):
+            Checkpoints store the pruning fields above; resuming with other values is refused unless this is set.
+        stop_on_divergence (`bool`, *optional*, defaults to `True`):
+            Stop training when a step's loss or gradient norm is non-finite or explodes, without checkpointing that
+            step, naming the last complete checkpoint (trl_pruned_dpo/guards.py).
     """
 
     position_keep_prob: float = field(
@@ -112,6 +121,18 @@ class PrunedDPOConfig(DPOConfig):
         metadata={"help": "Seed of the mask generator (defaults to `seed`)."},
     )
 
+    # Failures and resume (docs/cli.md, "Failures and resume"; checkpoints.py, guards.py)
+    allow_pruning_change_on_resume: bool = field(
+        default=False,
+        metadata={"help": "Resume even if the checkpoint was trained with other pruning settings (prune_seed, keep "
+                  "probabilities, sampling); the resumed run then draws other masks than the interrupted one."},
+    )
+    stop_on_divergence: bool = field(
+        default=True,
+        metadata={"help": "Stop training, without checkpointing the bad step, when a step's loss or gradient norm is "
+                  "non-finite or 1000x the median of the steps before it."},
+    )
+
     @property
     def pruning_enabled(self) -> bool:
         """Whether any estimator differs from the exact computation."""
@@ -123,10 +144,29 @@ class PrunedDPOConfig(DPOConfig):
         )
 
     def __post_init__(self):
+        self._default_bf16_to_hardware()
         super().__post_init__()
         self._validate_pruning()
+        self._validate_prune_seed()
         if self.prune_seed is None:
             self.prune_seed = self.seed
+
+    def _default_bf16_to_hardware(self):
+        """`bf16` left unset means "bf16 where this machine has it": DPOConfig turns an unset `bf16` into True,
+        which transformers then refuses on a machine without bf16 (a CPU-only one). Only that case changes, to fp32;
+        wherever stock TRL would run, the value is stock's, and an explicit `bf16=True` is passed through (and
+        refused there, by transformers, naming the option)."""
+        if self.bf16 is not None or self.fp16 or self.use_cpu:
+            return
+        from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+        if not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+            self.bf16 = False
+
+    def _validate_prune_seed(self):
+        # The CLI's parser already insists on an int; a Python caller gets the same check (bool is an int: refuse it).
+        if self.prune_seed is not None and (isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int)):
+            raise TypeError(f"`prune_seed` must be an integer or None, got {self.prune_seed!r}.")
 
     def _validate_pruning(self):
         def in_range(name, low, high, low_open):
@@ -143,7 +183,7 @@ class PrunedDPOConfig(DPOConfig):
         in_range("prefix_prune_prob", 0.0, 1.0, low_open=False)
         in_range("prefix_min_ratio", 0.0, 1.0, low_open=True)
         unknown = [loss for loss in self.loss_type if loss not in TRL_LOSS_TYPES]
-        if unknown:
+        if unknown and self.pruning_enabled:  # pruning off: TRL's own (later) error, as stock
             raise ValueError(f"Unknown `loss_type` {unknown}: choose among {list(TRL_LOSS_TYPES)}.")
         if not isinstance(self.share_prompt, bool):
             raise TypeError(f"`share_prompt` must be true or false, got {self.share_prompt!r}.")

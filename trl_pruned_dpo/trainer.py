@@ -9,27 +9,44 @@ forward, then the loss and metrics):
   (estimators.py) for the policy and the reference.
 - `compute_loss` hands those terms to TRL's own `_compute_loss` through a replay "model", so every TRL loss,
   `ld_alpha`, `use_weighting` and every TRL metric run unchanged on unbiased estimates of what they consume.
-- Evaluation is never pruned: it is TRL's own path.
+- Evaluation is never pruned: it is TRL's own path. So is training whenever `uses_pruned_forward(args)` is false
+  (pruning off): a drop-in by construction (docs/parity.md).
 - With `precompute_ref_log_probs=True` the per-token reference log-probs are stored (not just their sums) so the
   same masks apply to them.
 """
 
 import contextlib
 import dataclasses
+import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import pyarrow as pa
 import torch
 from accelerate.utils import is_peft_model
 from datasets import Dataset, IterableDataset, concatenate_datasets
+from datasets.table import InMemoryTable
 from torch.utils.data import DataLoader
+from transformers import ProcessorMixin
 
-from ._trl import DPOTrainer, compact_lm_head, disable_gradient_checkpointing, use_adapter
+from . import checkpoints
+from ._trl import (
+    DPOConfig,
+    DPOTrainer,
+    check_compact_lm_head,
+    compact_lm_head,
+    disable_gradient_checkpointing,
+    get_config_model_id,
+    use_adapter,
+)
 from .config import PrunedDPOConfig
+from .data_checks import check_training_pairs
 from .estimators import horvitz_thompson, scale_branch_gradient
 from .execute import row_multiple, run_group, unsupported_reason
+from .guards import DivergenceGuard, TrainingDiverged, check_not_empty, warn_before_training
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
 from .plan import HostBatch, common_tokens, plan_policy, plan_reference, unshared_rows, work_counts
 
@@ -64,8 +81,8 @@ class _HostCopyCollator:
 class _Replay:
     """Stands in for the model in TRL's `_compute_loss`: returns per-token outputs computed beforehand."""
 
-    def __init__(self, **per_token):
-        self.outputs = SimpleNamespace(aux_loss=None, **per_token)
+    def __init__(self, aux_loss=None, **per_token):
+        self.outputs = SimpleNamespace(aux_loss=aux_loss, **per_token)
 
     def __call__(self, *args, **kwargs):
         return self.outputs
@@ -96,6 +113,60 @@ class _PerTokenReferenceCollator:
         return batch
 
 
+_VISION_ERROR = (
+    "Pruning supports text datasets only (the pruned forward slices rows and columns of token tensors, not images): "
+    "turn pruning off (keep probabilities 1, prefix_prune_prob=0, prune_common_prefix=False) to train a "
+    "vision-language model, which is then stock DPOTrainer."
+)
+
+
+def uses_pruned_forward(args) -> bool:
+    """THE switch between the plugin's forward and TRL's own: with it False, training, the reference precompute, the
+    collator and the signature columns are stock's (exact parity by construction, docs/parity.md).
+
+    True when any estimator is on (`pruning_enabled`, which includes `prune_common_prefix`) or when an exact plugin
+    feature needs the plugin's forward (`share_prompt`, issue 9; read with getattr until that field exists).
+    """
+    if not isinstance(args, PrunedDPOConfig):
+        return False
+    return args.pruning_enabled or bool(getattr(args, "share_prompt", False))
+
+
+def _as_pruned_config(model, args):
+    """The trainer's config: stock's default when `args` is None, a plain `DPOConfig` promoted with pruning off.
+
+    A promoted config is the same settings object (its `__dict__` is shared, nothing re-validated or re-derived),
+    carrying the pruning fields at their identity defaults, so swapping the class changes nothing a user passed.
+    """
+    if args is None:  # stock: DPOConfig(f"{model_name}-DPO")
+        model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+        return PrunedDPOConfig(f"{model_name.split('/')[-1]}-DPO")
+    if isinstance(args, PrunedDPOConfig) or not isinstance(args, DPOConfig):
+        return args  # anything else is TRL's to accept or reject
+    promoted = PrunedDPOConfig.__new__(PrunedDPOConfig)
+    promoted.__dict__ = args.__dict__
+    for f in dataclasses.fields(PrunedDPOConfig):
+        if f.name not in promoted.__dict__:
+            setattr(promoted, f.name, f.default)
+    promoted.prune_seed = args.seed
+    return promoted
+
+
+def _check_prunable(args: PrunedDPOConfig, train_dataset, processing_class):
+    """Reject what stock accepts but the pruned forward cannot do, before any work."""
+    parallel = args.parallelism_config
+    if parallel is not None and parallel.non_data_parallel_size > 1:
+        raise ValueError(
+            f"Pruning with tensor/context/sequence parallelism (tp={parallel.tp_size}, cp={parallel.cp_size}, "
+            f"sp={parallel.sp_size}) is not supported: the ranks that share a batch would draw different masks. Use "
+            "data parallelism only (FSDP/ZeRO/DDP), or turn pruning off."
+        )
+    if isinstance(processing_class, ProcessorMixin) and train_dataset is not None:
+        sample = next(iter(train_dataset))
+        if "image" in sample or "images" in sample:
+            raise ValueError(_VISION_ERROR)
+
+
 class PrunedDPOTrainer(DPOTrainer):
     """DPO with stochastic pruning of the computation graph. Same constructor as `trl.DPOTrainer`.
 
@@ -106,52 +177,50 @@ class PrunedDPOTrainer(DPOTrainer):
     _tag_names = ["trl", "dpo", "trl-pruned-dpo"]
 
     def __init__(self, model, ref_model=None, args: PrunedDPOConfig | None = None, *pargs, **kwargs):
-        if args is None:
-            raise ValueError("PrunedDPOTrainer needs `args=PrunedDPOConfig(output_dir=..., ...)`.")
-        if not isinstance(args, PrunedDPOConfig):
-            raise TypeError(
-                f"`args` must be a PrunedDPOConfig, got {type(args).__name__}. PrunedDPOConfig takes every DPOConfig "
-                "field: build it with the same arguments plus the pruning fields."
-            )
+        args = _as_pruned_config(model, args)
         train_dataset = kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None)
-        if train_dataset is not None:
-            sample = next(iter(train_dataset))
-            if "image" in sample or "images" in sample:
-                raise ValueError("PrunedDPOTrainer supports text datasets only; use trl.DPOTrainer for vision data.")
-            tokenized = {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(sample)
-            missing = [c for c in ("chosen", "rejected") if c not in sample]
-            if missing and not tokenized:
-                raise ValueError(
-                    f"The training dataset has no {missing} column(s) (it has {sorted(sample)}): a preference "
-                    "dataset needs `chosen` and `rejected` (and `prompt`, or a prompt shared at their start)."
-                )
+        if uses_pruned_forward(args):
+            # The plugin's own refusals: only what stock accepts and the pruned forward cannot do, checked before any
+            # work (TRL precomputes reference log-probs inside its constructor). Everything else is TRL's to reject.
+            _check_prunable(args, train_dataset, kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None))
+            check_compact_lm_head()
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
+        self._grad_rows_aux_loss = None
         self._share_backend = None  # resolved below, once the model is prepared (precompute runs unshared)
         super().__init__(model, ref_model, args, *pargs, **kwargs)
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "PrunedDPOTrainer does not support the MoE router auxiliary loss: set `router_aux_loss_coef=0.0`."
-            )
-        if args.precompute_ref_log_probs:
-            self.data_collator = _PerTokenReferenceCollator(self.data_collator)
-        if not isinstance(self.train_dataset, (IterableDataset, torch.utils.data.IterableDataset)):
-            # (batches of an iterable dataset may be dispatched across processes, which carries tensors only)
-            self.data_collator = _HostCopyCollator(self.data_collator)
-        self._share_backend = self._shared_prompt_backend()
+        check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (data_checks.py)
+        if uses_pruned_forward(args):
+            if self._is_vision_dataset:  # a processor not passed in (loaded by TRL): known only now
+                raise ValueError(_VISION_ERROR)
+            if args.precompute_ref_log_probs:
+                self.data_collator = _PerTokenReferenceCollator(self.data_collator)
+            if not isinstance(self.train_dataset, (IterableDataset, torch.utils.data.IterableDataset)):
+                # (batches of an iterable dataset may be dispatched across processes, which carries tensors only)
+                self.data_collator = _HostCopyCollator(self.data_collator)
+            self._share_backend = self._shared_prompt_backend()
+
+    @property
+    def _uses_pruned_forward(self) -> bool:
+        return uses_pruned_forward(self.args)
 
     # ----------------------------------------------------------------------------------------------------------- data
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        self._signature_columns = list(self._signature_columns) + list(REF_TOKEN_COLUMNS)
+        if self._uses_pruned_forward:  # keep the per-token reference columns (once, however often it is called)
+            missing = [c for c in REF_TOKEN_COLUMNS if c not in self._signature_columns]
+            self._signature_columns = list(self._signature_columns) + missing
 
     def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
-        """Like TRL's, but stores the per-token reference log-probs beside their sums (the masks need them).
+        """With pruning on, also stores the per-token reference log-probs beside their sums (the masks need them).
 
-        Every process computes the whole dataset (no sharding, no cache file): simple and identical on all ranks.
+        With pruning off, and for what TRL rejects (an IterableDataset), it is TRL's own. Like TRL's: under
+        `accelerator.autocast()`, each process computes its shard of the batches, gathered in dataset order. The
+        per-token values travel as one flat float32 buffer with row offsets (an Arrow list column), never as a Python
+        list per row. Kept in memory: no cache file (TRL caches only the sums).
         """
-        if isinstance(dataset, IterableDataset):
-            raise ValueError("`precompute_ref_log_probs=True` needs a map-style Dataset, not an IterableDataset.")
+        if not self._uses_pruned_forward or isinstance(dataset, IterableDataset):
+            return super()._precompute_ref_logps(dataset, name, batch_size)
         if self.ref_model is None and self.is_deepspeed_enabled:
             if self._precompute_engine is None:
                 from trl.models import prepare_deepspeed
@@ -160,23 +229,39 @@ class PrunedDPOTrainer(DPOTrainer):
             model = self._precompute_engine
         else:
             model = self.ref_model or self.model
-        loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
-        columns = {"ref_chosen_logps": [], "ref_rejected_logps": [], **{c: [] for c in REF_TOKEN_COLUMNS}}
+        loader = self.accelerator.prepare(DataLoader(
+            dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False,
+            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+        ))
+        sums, values, lengths = ({"chosen": [], "rejected": []} for _ in range(3))
         for batch in loader:
-            batch = self._prepare_inputs(batch)
             response = batch["completion_mask"][:, 1:].bool()
-            per_token = self._reference_log_probs(model, batch, response)
+            with self.accelerator.autocast():  # as TRL's compute_ref_log_probs: bf16 stores what stock stores
+                per_token = self._reference_log_probs(model, batch, response)
             chosen_sum, rejected_sum = self._reference_sums(batch, per_token)
-            columns["ref_chosen_logps"] += chosen_sum.cpu().tolist()
-            columns["ref_rejected_logps"] += rejected_sum.cpu().tolist()
-            rows = [per_token[r][response[r]].float().cpu().tolist() for r in range(per_token.size(0))]
-            half = len(rows) // 2
-            columns[REF_TOKEN_COLUMNS[0]] += rows[:half]
-            columns[REF_TOKEN_COLUMNS[1]] += rows[half:]
+            # pad every process's batch to the same width, then gather (dataset order; duplicates of the last batch
+            # dropped, like TRL's gather_for_metrics of the sums)
+            per_token = self.accelerator.pad_across_processes(per_token.float(), dim=1)
+            response = self.accelerator.pad_across_processes(response.int(), dim=1)
+            gathered = self.accelerator.gather_for_metrics(
+                (chosen_sum, rejected_sum, *per_token.chunk(2), *response.chunk(2))
+            )
+            for i, branch in enumerate(("chosen", "rejected")):
+                branch_values, branch_response = gathered[2 + i].cpu(), gathered[4 + i].cpu().bool()
+                sums[branch].append(gathered[i].float().cpu())
+                values[branch].append(branch_values[branch_response])  # row-major: row by row, in order
+                lengths[branch].append(branch_response.sum(dim=1))
+        columns = {}
+        for branch in ("chosen", "rejected"):
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lengths[branch]).cumsum(0)])
+            columns[f"ref_{branch}_logps"] = pa.array(torch.cat(sums[branch]).numpy())
+            columns[f"ref_{branch}_token_logps"] = pa.ListArray.from_arrays(
+                pa.array(offsets.numpy().astype("int32")), pa.array(torch.cat(values[branch]).numpy())
+            )
         stale = [c for c in columns if c in dataset.column_names]
         if stale:
             dataset = dataset.remove_columns(stale)
-        return concatenate_datasets([dataset, Dataset.from_dict(columns)], axis=1)
+        return concatenate_datasets([dataset, Dataset(InMemoryTable(pa.table(columns)))], axis=1)
 
     # -------------------------------------------------------------------------------------------------------- forward
     def _next_mask_generator(self) -> torch.Generator:
@@ -216,6 +301,8 @@ class PrunedDPOTrainer(DPOTrainer):
         if not self.args.share_prompt:
             return None
         reasons = []
+        if self.aux_loss_enabled:  # TRL's fused head computes it with the attention mask, which must then be 2D
+            reasons.append("the MoE router auxiliary loss needs the unpacked (2D) attention mask")
         for model in (self.model, self.ref_model):
             if model is None:
                 continue
@@ -232,7 +319,7 @@ class PrunedDPOTrainer(DPOTrainer):
             return None
         return self.accelerator.unwrap_model(self.model).config._attn_implementation
 
-    def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, width: int):
+    def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, width: int, **model_kwargs):
         """Run `rows` of the batch, trimmed to `width` columns, scoring the `scored` positions only.
 
         `rows` and `scored` live on the host (the plan, `plan.unshared_rows`). Returns the fused-head outputs
@@ -259,6 +346,7 @@ class PrunedDPOTrainer(DPOTrainer):
             elif torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == total_rows:
                 value = value[index]
             kwargs[key] = value
+        kwargs.update(model_kwargs)
         with compact_lm_head():
             outputs = model(input_ids=input_ids, labels=labels, use_cache=False, fused_lm_head=True, **kwargs)
         return outputs
@@ -321,7 +409,7 @@ class PrunedDPOTrainer(DPOTrainer):
         grad_cost = 4.0 if self.args.gradient_checkpointing else 3.0  # forward + backward (+ recompute), Eq. in method
         plan = plan_policy(host, masks, frozen_group=self.args.branch_keep_prob < 1, grad_cost=grad_cost,
                            common=common, multiple=row_multiple(self._share_backend))
-        # (the grad group's model outputs, `_` here, are where a MoE router's aux_loss would be collected)
+        # (no MoE router aux loss here: `_shared_prompt_backend` keeps such models on the unshared forward)
         per_token, _ = run_group(model, plan.grad, fields, self._share_backend, device)
         executed = plan.grad.input_ids.numel()
         self._count("policy_tokens_executed", executed)
@@ -344,7 +432,11 @@ class PrunedDPOTrainer(DPOTrainer):
             rows, width, _ = unshared_rows(masks.scored, masks.executed, masks.backprop == with_grad)
             per_token = {f: torch.zeros(shape, dtype=torch.bool if f == "is_top1" else torch.float32, device=device)
                          for f in fields}
-            outputs = self._forward_rows(model, inputs, rows, masks.scored, width)
+            # MoE: the router aux loss is the grad rows' own, over their executed columns (docs/parity.md)
+            router = {"output_router_logits": True} if with_grad and self.aux_loss_enabled else {}
+            outputs = self._forward_rows(model, inputs, rows, masks.scored, width, **router)
+            if router:
+                self._grad_rows_aux_loss = outputs.aux_loss * (1.0 if rows.numel() else 0.0)
             tokens = max(rows.numel(), 1) * width
             self._count("policy_tokens_executed", tokens)
             if with_grad:
@@ -434,9 +526,13 @@ class PrunedDPOTrainer(DPOTrainer):
 
     # ----------------------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not self.model.training:  # evaluation is exact: TRL's own path
+        if not self.model.training or not self._uses_pruned_forward:  # evaluation, and pruning off: TRL's own path
             inputs = {k: v for k, v in inputs.items() if k not in (REF_TOKEN_KEY, HOST_KEY)}
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return self._pruned_loss(model, inputs, return_outputs)
+
+    def _pruned_loss(self, model, inputs, return_outputs=False):
+        """The pruned training loss: TRL's `_compute_loss` on the estimates, through the replay seam (`_Replay`)."""
         if return_outputs:
             raise ValueError("PrunedDPOTrainer does not return model outputs during training (TRL deprecated them).")
         per_token, (ref_chosen, ref_rejected) = self.concatenated_forward(model, inputs)
@@ -445,10 +541,12 @@ class PrunedDPOTrainer(DPOTrainer):
         precompute = self.precompute_ref_logps
         self.precompute_ref_logps = True  # TRL then reads the reference sums from the batch
         try:
-            loss = self._compute_loss(_Replay(**per_token), batch, return_outputs=False)
+            replay = _Replay(aux_loss=self._grad_rows_aux_loss, **per_token)
+            loss = self._compute_loss(replay, batch, return_outputs=False)
         finally:
             self.precompute_ref_logps = precompute
         self._log_pruned_metrics(per_token, inputs)
+        self._relabel_stock_metrics(per_token)
         return loss
 
     def _count(self, name: str, value: int):
@@ -486,3 +584,165 @@ class PrunedDPOTrainer(DPOTrainer):
         if self._share_backend is not None:  # which execution the cost model picked (docs/method.md)
             shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
             metrics["prune/pairs_shared"].append(shared / max(shared + split, 1))
+
+    # ------------------------------------------------------------------------------------------------- metric names
+    def _relabel_stock_metrics(self, per_token):
+        """Move this step's stock-named metrics that do not estimate what stock logs to names that say what they are.
+
+        Stock-named metrics stay only where their expectation over the masks is stock's value: the per-branch sums
+        (logps, rewards, margins) and the per-token means (entropy, logits, token accuracy) are Horvitz-Thompson sums
+        over exact counts. Moved, because no unbiased value exists (docs/parity.md):
+        - `rewards/accuracies` under random position/prefix pruning: a step function of the noisy margin;
+        - `aux_loss` with pruning on: the router loss of the grad rows' executed columns only;
+        - under `prune_common_prefix`, every per-branch and per-token metric: the common prefix is never scored, so
+          they cover the response after it (token means re-estimated over those positions).
+        """
+        metrics, args = self._metrics["train"], self.args
+
+        def move(name, value=None, new=None):
+            old = metrics[name].pop()
+            if not metrics[name]:
+                del metrics[name]  # TRL's `log` averages every key: no empty list may stay behind
+            metrics[new or f"prune/{name}"].append(old if value is None else value)
+
+        if self.aux_loss_enabled and args.pruning_enabled:
+            move("aux_loss", new="prune/aux_loss_grad_rows")
+        if args.position_keep_prob < 1 or args.prefix_prune_prob > 0:
+            move("rewards/accuracies", new="prune/rewards/accuracies_of_estimate")
+        if not args.prune_common_prefix:
+            return
+        masks = self._last_masks
+        exact_w, exact_l = masks.exact.chunk(2)
+        weights_w = masks.weights.chunk(2)[0]
+        mean_logits_w, mean_logits_l = per_token["mean_logits"].chunk(2)
+        sums = torch.stack([
+            per_token["entropy"].sum(), masks.exact.sum(),
+            mean_logits_w.sum(), exact_w.sum(), mean_logits_l.sum(), exact_l.sum(),
+            (per_token["is_top1"].chunk(2)[0].float() * weights_w).sum(),
+        ]).double().to(self.accelerator.device)
+        entropy, exact, logits_w, count_w, logits_l, count_l, top1_w = (
+            self.accelerator.gather(sums.unsqueeze(0)).sum(dim=0).tolist()
+        )
+        suffix = "_after_common_prefix"
+        move("entropy", entropy / exact if exact else 0.0, "prune/entropy" + suffix)
+        move("logits/chosen", logits_w / count_w if count_w else 0.0, "prune/logits/chosen" + suffix)
+        move("logits/rejected", logits_l / count_l if count_l else 0.0, "prune/logits/rejected" + suffix)
+        move("mean_token_accuracy", top1_w / count_w if count_w else 0.0, "prune/mean_token_accuracy" + suffix)
+        for name in ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
+            move(name, new=f"prune/{name}{suffix}")
+
+    # ---------------------------------------------------------------------------- resume and failures (checkpoints.py)
+    resumed_from: str | None = None  # the checkpoint the last `train()` resumed from
+    restored_logging_window = False  # whether its partial logging window was restored (else logs restart there)
+    divergence_guard: DivergenceGuard | None = None
+    _step_loss = _diverged = _pending_run_state = None
+
+    def train(self, resume_from_checkpoint=None, *pargs, **kwargs):
+        """TRL's `train`, resuming only from a complete checkpoint with this run's pruning settings, warning before
+        training about settings that should alarm, and stopping a diverging run (guards.py).
+
+        `resume_from_checkpoint=True` (or "true"/"auto"/"last") takes the newest *complete* checkpoint in
+        `output_dir`, saying which, and which newer incomplete ones it skipped. Raises `checkpoints.ResumeError`
+        (nothing to resume, an incomplete checkpoint, other pruning settings) and `guards.TrainingDiverged`.
+        """
+        from transformers.utils import logging
+
+        if self.train_dataset is not None:
+            check_not_empty(self.train_dataset, self.args)
+        resume, note = checkpoints.resolve_resume(resume_from_checkpoint, self.args)
+        if note and self.is_world_process_zero():
+            logging.get_logger(__name__).warning(note)
+        self.resumed_from, self.restored_logging_window = resume, False
+        self.divergence_guard = DivergenceGuard()
+        self._step_loss, self._diverged, self._pending_run_state = None, None, None
+        if resume is not None:
+            self._pending_run_state = checkpoints.read_run_state(resume, self.args.process_index)
+            if self._pending_run_state and "guard" in self._pending_run_state:
+                self.divergence_guard.load_state_dict(self._pending_run_state["guard"])
+        warn_before_training(self.args)
+        output = super().train(resume, *pargs, **kwargs)
+        if self._diverged is not None:
+            raise TrainingDiverged(self._diverged)
+        return output
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self._pending_run_state is not None:  # first micro-step after a resume: reopen the logging window
+            self._restore_logging_window(self._pending_run_state.get("window") or {})
+            self._pending_run_state = None
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step_loss = loss.detach() if self._step_loss is None else self._step_loss + loss.detach()
+        return loss
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *pargs, **kwargs):
+        if self._step_loss is not None:  # an optimizer step just ended: check it before it is logged or saved
+            loss, self._step_loss = self._step_loss, None
+            if self.args.world_size > 1:  # every process must take the same decision
+                loss = self.accelerator.reduce(loss, reduction="mean")
+            norm = None if grad_norm is None else float(grad_norm)
+            problem = self.divergence_guard.observe(self.state.global_step, float(loss), norm)
+            if problem is not None and self.args.stop_on_divergence:
+                last = checkpoints.last_complete(self._get_output_dir(trial=None))
+                restart = f"resume from the last complete checkpoint, {last}" if last else "start again"
+                self._diverged = (
+                    f"training diverged at step {self.state.global_step}: {problem}. Stopped without checkpointing "
+                    f"it. Lower learning_rate (or raise the keep probabilities) and {restart}; or pass "
+                    "--stop_on_divergence false to train on."
+                )
+                self.control.should_save = self.control.should_evaluate = False
+                self.control.should_training_stop = True
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *pargs, **kwargs)
+
+    def _logging_window(self) -> dict:
+        """What the Trainer and TRL have accumulated since the last log: restored on resume, so that a resumed run
+        logs (and summarises) the same numbers as an uninterrupted one."""
+        if not hasattr(self, "_tr_loss"):  # saved outside `train()`: no window open
+            return {}
+        return {
+            "tr_loss": float(self._tr_loss),
+            "last_logged": self._globalstep_last_logged,
+            "metrics": {key: list(values) for key, values in self._metrics["train"].items()},
+            # TRL's `num_tokens` counter, which TRL itself does not restore on resume
+            "total_train_tokens": getattr(self, "_total_train_tokens", 0),
+        }
+
+    def _restore_logging_window(self, window: dict) -> None:
+        if not window or not hasattr(self, "_tr_loss"):
+            return
+        self._tr_loss += torch.tensor(window["tr_loss"], dtype=self._tr_loss.dtype, device=self._tr_loss.device)
+        self._globalstep_last_logged = window["last_logged"]
+        for key, values in window["metrics"].items():
+            self._metrics["train"][key][:0] = values
+        self._total_train_tokens = window.get("total_train_tokens", 0)
+        self.restored_logging_window = True
+
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint, then the run state and the completion marker; older checkpoints are rotated only after
+        the new one is complete, and a full disk is said in one line (the partial folder is removed)."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            if self.args.should_save:
+                checkpoints.unmark(folder)
+            super()._save_checkpoint(model, trial)
+            state = {"window": self._logging_window(), "guard": self.divergence_guard.state_dict()}
+            checkpoints.write_run_state(folder, self.args.process_index, state)
+            self.accelerator.wait_for_everyone()  # every process's files are written before the marker
+            if self.args.should_save:
+                checkpoints.mark_complete(folder, self.args, self.state.global_step)
+        except Exception as error:
+            if not checkpoints.is_disk_full(error, folder):
+                raise
+            if self.args.should_save:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise checkpoints.DiskFullError(
+                checkpoints.disk_full_message(os.path.basename(folder), folder, run_dir) + " The incomplete "
+                "checkpoint was removed."
+            ) from None
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)

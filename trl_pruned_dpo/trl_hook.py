@@ -10,7 +10,7 @@ The swap has to happen at interpreter start-up in each of those processes, so it
 site-packages, written on request by `python -m trl_pruned_dpo.trl_hook install` (and removed by `uninstall`).
 Its one line costs an environment lookup at every Python start-up and does nothing else unless `TRL_PRUNED_DPO=1`;
 with it, it imports `trl_pruned_dpo` (hence TRL, transformers and torch, which a `trl dpo` process imports anyway)
-and calls `install()`. Limits are listed in docs/cli.md.
+and calls `install()` (trl_hook_startup.py). Limits are listed in docs/cli.md.
 """
 
 import argparse
@@ -19,22 +19,14 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from .trl_hook_startup import install  # noqa: F401  (the swap itself; public here as before)
+
 ENV = "TRL_PRUNED_DPO"
 PTH_NAME = "trl_pruned_dpo_hook.pth"
 PTH_LINE = (
     "import os; os.environ.get('TRL_PRUNED_DPO', '').lower() in ('1', 'true', 'yes') and "
-    "__import__('trl_pruned_dpo.trl_hook').trl_hook.install()\n"
+    "__import__('trl_pruned_dpo.trl_hook_startup').trl_hook_startup.install()\n"
 )
-
-
-def install() -> None:
-    """Point `trl.DPOConfig` and `trl.DPOTrainer` at the pruned classes in this process."""
-    import trl
-
-    from . import PrunedDPOConfig, PrunedDPOTrainer
-
-    trl.DPOConfig = PrunedDPOConfig
-    trl.DPOTrainer = PrunedDPOTrainer
 
 
 def default_site_dir() -> Path:

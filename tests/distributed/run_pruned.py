@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # the local tokenizer and model builder; the package, uninstalled
-from conftest import char_tokenizer, preference_rows, tiny_model  # noqa: E402
+from tiny import char_tokenizer, preference_rows, tiny_model  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
@@ -51,6 +51,9 @@ BASE_CONFIG = dict(
     seed=0,
     max_length=64,
 )
+
+
+STORED_REFERENCE = ("ref_chosen_logps", "ref_rejected_logps", "ref_chosen_token_logps", "ref_rejected_token_logps")
 
 
 def build(run: dict, out: Path, tokenizer, dataset):
@@ -202,6 +205,8 @@ def main():
             "global_step": trainer.state.global_step,
             "log_history": trainer.state.log_history,
             "draws": draws,
+            # the precomputed reference (each rank computed a shard; every rank must hold the whole, in order)
+            "stored_reference": {c: v for c, v in trainer.train_dataset[:].items() if c in STORED_REFERENCE},
         }
         (folder / f"rank{rank}.json").write_text(json.dumps(report))
         trainer.accelerator.wait_for_everyone()

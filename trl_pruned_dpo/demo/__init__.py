@@ -1,7 +1,8 @@
 """The offline default: a character-level tokenizer, tiny Llama models and preference tasks with a ground truth.
 
 - `tokenizer.build_tokenizer()`: the local character-level tokenizer.
-- `model.resolve_model("builtin:tiny-demo")`: a cached local folder with a seeded tiny model and that tokenizer.
+- `model.resolve_model("builtin:tiny-demo")`: a cached local folder with a seeded tiny model and that tokenizer;
+  ``builtin:tiny-demo-sft`` is the same model warm-started by a short SFT (sft.py), the demo's default.
 - `tasks.make_dataset(task, n, seed)`, `tasks.is_correct(task, prompt, completion)`, `tasks.load_builtin(name)`.
 
 Nothing here touches the network. See docs/cli.md ("The built-in demo").

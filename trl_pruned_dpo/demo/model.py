@@ -6,19 +6,24 @@ character-level tokenizer, writing it on first use. Everything downstream then l
 would a downloaded hub model, so TRL's reference model, which DPOTrainer reloads from the policy's
 ``name_or_path``, is read from disk too and no network is ever touched.
 
-The weights are random (a seeded init, not pretrained): DPO on the demo tasks is learned from scratch.
+The weights of ``tiny-demo`` and ``small-demo`` are random (a seeded init, not pretrained). ``tiny-demo-sft`` is
+``tiny-demo`` warm-started by a short SFT on right answers (sft.py, ~30 s of one CPU core the first time), the
+starting point on which the demo's DPO visibly learns.
 """
 
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from .sft import SFT_MODELS, fine_tune
 from .tokenizer import build_tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -66,8 +71,24 @@ def build_model(name: str = "tiny-demo", seed: int = 0) -> LlamaForCausalLM:
     return model.float()
 
 
+def builtin_model_names() -> list[str]:
+    return [BUILTIN_PREFIX + n for n in sorted(BUILTIN_MODELS) + sorted(SFT_MODELS)]
+
+
+def _build(name: str, seed: int) -> LlamaForCausalLM:
+    """A built-in model: a seeded init, or for a warm-started name its base init after the recipe's SFT."""
+    if name in SFT_MODELS:
+        recipe = SFT_MODELS[name]
+        print(f"Building builtin:{name} once (SFT of builtin:{recipe.base}, {recipe.steps} steps; cached after)",
+              file=sys.stderr, flush=True)
+        return fine_tune(build_model(recipe.base, seed), recipe, seed)
+    return build_model(name, seed)
+
+
 def _folder(name: str, seed: int) -> Path:
-    spec = json.dumps([_FORMAT_VERSION, BUILTIN_MODELS[name]], sort_keys=True)
+    recipe = SFT_MODELS.get(name)
+    spec = BUILTIN_MODELS[name] if recipe is None else [asdict(recipe), BUILTIN_MODELS[recipe.base]]
+    spec = json.dumps([_FORMAT_VERSION, spec], sort_keys=True)
     return cache_dir() / "models" / f"{name}-seed{seed}-{hashlib.sha256(spec.encode()).hexdigest()[:10]}"
 
 
@@ -77,10 +98,10 @@ def resolve_model(name_or_path: str, seed: int = 0) -> str:
     if not is_builtin(name_or_path):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX):]
-    if name not in BUILTIN_MODELS:
+    if name not in BUILTIN_MODELS and name not in SFT_MODELS:
         raise ValueError(
-            f"Unknown built-in model {name_or_path!r}: choose among "
-            f"{[BUILTIN_PREFIX + n for n in sorted(BUILTIN_MODELS)]}, or pass a local folder or a hub id."
+            f"Unknown built-in model {name_or_path!r}: choose among {builtin_model_names()}, or pass a local folder "
+            "or a hub id."
         )
     folder = _folder(name, seed)
     if (folder / "model.safetensors").is_file():
@@ -89,7 +110,7 @@ def resolve_model(name_or_path: str, seed: int = 0) -> str:
     # Write into a temporary sibling and rename: concurrent processes (one per rank) never see a half-written folder.
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        build_model(name, seed).save_pretrained(tmp)
+        _build(name, seed).save_pretrained(tmp)
         build_tokenizer().save_pretrained(tmp)
         try:
             tmp.rename(folder)

@@ -1,0 +1,56 @@
+"""Degenerate and truncated training pairs are reported once, with numbers; datasets that cannot train are refused.
+
+Each case builds the trainer only (no training step): a few seconds in all.
+"""
+
+import warnings
+
+import pytest
+from datasets import Dataset
+
+from conftest import build_trainer, preference_rows
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+
+
+def build(tokenizer, rows, tmp_path, **overrides):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(rows), tmp_path, **overrides)
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "training pairs" in str(w.message)]
+
+
+def test_clean_pairs_raise_no_warning(tokenizer, tmp_path):
+    assert build(tokenizer, preference_rows(8), tmp_path) == []
+
+
+def test_degenerate_pairs_are_counted_with_an_example_index(tokenizer, tmp_path):
+    rows = preference_rows(8)
+    rows[2] = {**rows[2], "rejected": rows[2]["chosen"]}  # identical
+    rows[4] = {**rows[4], "chosen": "", "rejected": ""}  # both empty: identical too
+    rows[5] = {**rows[5], "chosen": ""}  # one empty response: the EOS still carries a signal
+    messages = build(tokenizer, rows, tmp_path)
+    assert len(messages) == 2, messages
+    assert "2 of 8 training pairs (25.0%) are degenerate" in messages[0] and "row 2:" in messages[0], messages
+    assert "1 of 8 training pairs (12.5%) have an empty response" in messages[1] and "row 5" in messages[1]
+
+
+def test_all_degenerate_is_refused(tokenizer, tmp_path):
+    rows = [{**row, "rejected": row["chosen"]} for row in preference_rows(4)]
+    with pytest.raises(ValueError, match="Every training pair is degenerate"):
+        build(tokenizer, rows, tmp_path)
+
+
+def test_truncation_is_reported_with_its_share(tokenizer, tmp_path):
+    rows = preference_rows(8)
+    # Tokens of prompt + the longer response, plus the EOS TRL appends.
+    lengths = [max(len(tokenizer(r["prompt"] + r[k])["input_ids"]) for k in ("chosen", "rejected")) + 1 for r in rows]
+    assert build(tokenizer, rows, tmp_path, max_length=max(lengths)) == []
+    messages = build(tokenizer, rows, tmp_path, max_length=min(lengths))
+    count = sum(length > min(lengths) for length in lengths)
+    assert len(messages) == 1 and messages[0].startswith(f"{count} of 8 training pairs ({100 * count / 8:.1f}%) are "
+                                                         "longer than `max_length`"), messages
+
+
+def test_every_pair_dropped_by_truncation_is_refused(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="Every one of the 8 training pairs was dropped"):
+        build(tokenizer, preference_rows(8), tmp_path, max_length=3)

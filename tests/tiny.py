@@ -1,0 +1,130 @@
+"""The one home of the tests' tiny local assets: a character tokenizer, tiny dense and MoE models built from configs,
+preference data, and the trainer builders. Nothing here touches a hub.
+
+Imported by tests/conftest.py (which adds the pytest fixtures), tests/distributed/run_pruned.py and the parity tests.
+"""
+
+import copy
+import os
+import string
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    alphabet = SPECIALS + list(string.ascii_letters + string.digits + string.punctuation + " ")
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 32) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def preference_rows(n: int = 8, seed: int = 0):
+    """Sums with a right and a near-copy wrong answer; lengths vary."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        a, b = (int(x) for x in torch.randint(1, 999, (2,), generator=g))
+        pad = "." * int(torch.randint(0, 12, (1,), generator=g))
+        right = f"{a}+{b}={a + b}{pad}"
+        wrong = f"{a}+{b}={a + b + 1 + i % 3}{pad}"
+        rows.append({"prompt": f"Q{i}: {a}+{b}? ", "chosen": right, "rejected": wrong})
+    return rows
+
+
+BASE_ARGS = dict(
+    output_dir="unused",
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=4,
+    max_steps=2,
+    learning_rate=1e-3,
+    report_to="none",
+    bf16=False,
+    logging_steps=1,
+    save_strategy="no",
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+
+
+def build_trainer(trainer_cls, config_cls, tokenizer, train_dataset, tmp_path, *, model=None, ref_model="copy",
+                  seed=0, **overrides):
+    """A trainer on the tiny local model; the policy starts away from the reference so log-ratios are non-zero."""
+    if model is None:
+        model = tiny_model(tokenizer, seed=seed)
+    if ref_model == "copy":
+        ref_model = copy.deepcopy(model)
+        with torch.no_grad():  # move the policy off the reference: d_t != 0
+            g = torch.Generator().manual_seed(seed + 1)
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    args = config_cls(**{**BASE_ARGS, "output_dir": str(tmp_path), **overrides})
+    return trainer_cls(model=model, ref_model=ref_model, args=args, train_dataset=train_dataset,
+                       processing_class=tokenizer)
+
+
+def first_batch(trainer, n=4):
+    """The first n training examples, collated the way training collates them (no shuffling)."""
+    trainer.model.train()
+    data = trainer._remove_unused_columns(trainer.train_dataset, description="test")
+    return trainer._prepare_inputs(trainer.data_collator([data[i] for i in range(n)]))
+
+
+def loss_and_grads(trainer, batch):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+
+
+def tiny_moe_model(tokenizer, family: str = "qwen3_moe", seed: int = 0, hidden: int = 32):
+    """A 2-layer Mixture-of-Experts model (4 experts, top-2) of the given family, from a config; router aux loss on."""
+    import transformers
+
+    classes = {
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(moe_intermediate_size=hidden, num_experts=4)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, rope_parameters=None)),
+    }
+    config_name, model_name, extra = classes[family]
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, num_experts_per_tok=2,
+        max_position_embeddings=512, router_aux_loss_coef=0.01, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        **{k: v for k, v in extra.items() if v is not None},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return getattr(transformers, model_name)(config)

@@ -1,0 +1,275 @@
+"""Checkpoints a resume can trust: a completion marker written last, the newest complete checkpoint, the pruning
+configuration stored beside it, and disk-full errors said in one line.
+
+transformers writes `checkpoint-N/` file by file (weights, optimizer, scheduler, RNG, then `trainer_state.json`) and
+nothing says when it is done: a kill or a full disk in between leaves a folder that looks like a checkpoint, that
+`get_last_checkpoint` picks, and that fails on load (or worse, loads a truncated optimizer). Here a checkpoint is
+complete only when its marker `MARKER` exists, and the marker lists every file with its size, written after every
+file has been flushed to disk (fsync) and renamed into place atomically. A file that is later truncated or deleted
+makes the checkpoint incomplete again.
+
+The marker also stores the pruning configuration: masks are a function of (prune_seed, step, micro-step, rank) and of
+the sampling fields (docs/method.md, "Contract"), so resuming with other values would silently draw other masks.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+MARKER = "pruned_dpo_complete.json"
+RUN_STATE = "pruned_dpo_run_state.json"  # per process: logging window and worst values, so a resume logs like no resume
+MARKER_VERSION = 1
+
+# The fields that decide which masks are drawn (docs/method.md); compared on resume.
+PRUNING_FIELDS = (
+    "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_keep_prob", "branch_sampling",
+    "prune_reference", "prune_common_prefix", "prune_seed",
+)
+OVERRIDE_FLAG = "allow_pruning_change_on_resume"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# Not part of a checkpoint's content: the marker itself, and the sentinel transformers' JIT checkpoint writes before
+# calling `_save_checkpoint` and removes after it (it would be listed, then missing).
+_NOT_CONTENT = {MARKER, MARKER + ".tmp", "checkpoint-is-incomplete.txt"}
+
+
+class ResumeError(ValueError):
+    """No checkpoint to resume from, an incomplete one, or a pruning configuration that differs: one line."""
+
+
+class DiskFullError(OSError):
+    """The disk filled up while a checkpoint or the model was being written: one line, with the last good checkpoint."""
+
+
+# --- writing --------------------------------------------------------------------------------------------------------
+
+
+def pruning_config(args) -> dict:
+    return {name: getattr(args, name) for name in PRUNING_FIELDS}
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError as error:  # some filesystems cannot fsync a directory; the data files were synced
+        if not directory or error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, content: dict) -> None:
+    """Write `content` to `path` so that a reader sees either nothing or all of it (write, fsync, rename)."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(content, indent=1, sort_keys=True))
+    _fsync(temporary)
+    os.replace(temporary, path)
+    _fsync(path.parent, directory=True)
+
+
+def mark_complete(folder: str | os.PathLike, args, step: int) -> None:
+    """Write the completion marker of `folder`: every file flushed to disk first, then the manifest, atomically."""
+    folder = Path(folder)
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in _NOT_CONTENT):
+        _fsync(path)
+        files[path.relative_to(folder).as_posix()] = path.stat().st_size
+    for directory in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+        _fsync(directory, directory=True)
+    write_json_atomic(folder / MARKER, {
+        "version": MARKER_VERSION, "step": step, "files": files, "pruning": pruning_config(args),
+    })
+
+
+def unmark(folder: str | os.PathLike) -> None:
+    """Remove the marker before (re)writing a checkpoint folder, so a half-rewritten one is never trusted."""
+    (Path(folder) / MARKER).unlink(missing_ok=True)
+
+
+def _run_state_path(folder, rank: int) -> Path:
+    return Path(folder) / RUN_STATE.replace(".json", f"-{rank}.json")
+
+
+def write_run_state(folder: str | os.PathLike, rank: int, state: dict) -> None:
+    """This process's logging window and worst values, beside its checkpoint (covered by the marker)."""
+    path = _run_state_path(folder, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(state))
+
+
+def read_run_state(folder: str | os.PathLike, rank: int) -> dict | None:
+    """The state `write_run_state` saved, or None (a checkpoint from before it existed, or another world size)."""
+    try:
+        return json.loads(_run_state_path(folder, rank).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --- reading --------------------------------------------------------------------------------------------------------
+
+
+def incomplete_reason(folder: str | os.PathLike) -> str | None:
+    """Why `folder` is not a complete checkpoint, or None if it is."""
+    folder = Path(folder)
+    marker = folder / MARKER
+    if not marker.is_file():
+        if not any(folder.iterdir()):
+            return "empty"
+        missing = [name for name in ("trainer_state.json",) if not (folder / name).is_file()]
+        return ("no completion marker" + (f", no {missing[0]}" if missing else "")
+                + " (interrupted while saving, or not written by trl-pruned-dpo)")
+    try:
+        manifest = json.loads(marker.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable completion marker"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size} bytes, {size} when saved (truncated or overwritten)"
+    return None
+
+
+def checkpoint_step(folder: str | os.PathLike) -> int | None:
+    match = _CHECKPOINT.match(Path(folder).name)
+    return int(match.group(1)) if match else None
+
+
+def scan(output_dir: str | os.PathLike) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(newest complete checkpoint in `output_dir` or None, [(newer incomplete checkpoint, why)], newest first)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None, []
+    folders = [p for p in root.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    skipped = []
+    for folder in sorted(folders, key=checkpoint_step, reverse=True):
+        reason = incomplete_reason(folder)
+        if reason is None:
+            return folder, skipped
+        skipped.append((folder, reason))
+    return None, skipped
+
+
+def last_complete(output_dir: str | os.PathLike) -> Path | None:
+    return scan(output_dir)[0]
+
+
+def stored_pruning(folder: str | os.PathLike) -> dict | None:
+    try:
+        return json.loads((Path(folder) / MARKER).read_text()).get("pruning")
+    except (OSError, ValueError):
+        return None
+
+
+def pruning_differences(folder: str | os.PathLike, args) -> list[str]:
+    """`field: checkpoint value -> this run's value` for every pruning field that differs."""
+    stored = stored_pruning(folder) or {}
+    now = pruning_config(args)
+    return [f"{name} {stored[name]!r} -> {now[name]!r}" for name in PRUNING_FIELDS
+            if name in stored and stored[name] != now[name]]
+
+
+def is_resume_request(value) -> bool:
+    """`--resume_from_checkpoint true/auto/last` (any case), or `True` from Python."""
+    return value is True or (isinstance(value, str) and value.strip().lower() in ("true", "auto", "last"))
+
+
+def resolve_resume(value, args) -> tuple[str | None, str | None]:
+    """The checkpoint to resume from for `resume_from_checkpoint=value`, and a sentence saying what was chosen.
+
+    `True`/"true"/"auto"/"last": the newest complete checkpoint in `args.output_dir`, skipping incomplete newer ones.
+    A path: that checkpoint, which must be complete. Either way its stored pruning configuration must equal this
+    run's, unless `args.allow_pruning_change_on_resume`. Raises ResumeError (one line) otherwise.
+    """
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "false", "no")):
+        return None, None
+    output_dir = args.output_dir
+    if is_resume_request(value):
+        chosen, skipped = scan(output_dir)
+        if chosen is None:
+            found = "; ".join(f"{p.name}: {why}" for p, why in skipped) or "no checkpoint-* folder"
+            raise ResumeError(f"nothing to resume in {output_dir}: no complete checkpoint ({found}). Start without "
+                              "--resume_from_checkpoint, or point it at a complete checkpoint.")
+        note = f"resuming from {chosen}"
+        if skipped:
+            note += " (skipped incomplete " + "; ".join(f"{p.name}: {why}" for p, why in skipped) + ")"
+    else:
+        chosen = Path(value)
+        if not chosen.is_dir():
+            raise ResumeError(f"checkpoint {value} does not exist: pass a checkpoint folder, or `true` for the newest "
+                              f"complete one in {output_dir}.")
+        reason = incomplete_reason(chosen)
+        if reason is not None:
+            newest = last_complete(chosen.parent)
+            hint = f"the newest complete one is {newest}" if newest else "there is no complete one beside it"
+            raise ResumeError(f"checkpoint {chosen} is incomplete ({reason}): {hint}. Resume from that, or with "
+                              "`--resume_from_checkpoint true`.")
+        note = f"resuming from {chosen}"
+    changed = pruning_differences(chosen, args)
+    if changed and not getattr(args, OVERRIDE_FLAG, False):
+        raise ResumeError(f"checkpoint {chosen} was trained with other pruning settings ({', '.join(changed)}): a "
+                          "resumed run would draw other masks. Use the checkpoint's values, or pass "
+                          f"--{OVERRIDE_FLAG} true to resume with the new ones.")
+    if changed:
+        note += f"; pruning settings changed on purpose ({', '.join(changed)})"
+    return str(chosen), note
+
+
+# --- disk full ------------------------------------------------------------------------------------------------------
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+# torch.save's C++ stream writer reports a short write without an errno
+_FULL_TEXT = ("no space left", "disk quota", "file too large", "iostream error", "unexpected pos",
+              "file write failed", "ioerror")
+LOW_SPACE_BYTES = 64 << 20
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def is_disk_full(error: BaseException, where: str | os.PathLike) -> bool:
+    """Whether `error`, raised while writing under `where`, means there was no room to write."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    text = str(error).lower()
+    if not any(pattern in text for pattern in _FULL_TEXT):
+        return False
+    free = free_bytes(where)
+    return "no space left" in text or "disk quota" in text or (free is not None and free < LOW_SPACE_BYTES)
+
+
+def disk_full_message(what: str, where: str | os.PathLike, output_dir: str | os.PathLike) -> str:
+    free = free_bytes(where)
+    last = last_complete(output_dir)
+    return (f"disk full while writing {what} ({Path(where).absolute()}, {0 if free is None else free >> 20} MiB "
+            f"free); the last complete checkpoint is {last or 'none'}. Free some space and resume with "
+            "--resume_from_checkpoint true.")
+
+
+@contextmanager
+def disk_full_as_error(what: str, where: str | os.PathLike, output_dir: str | os.PathLike | None = None):
+    """Re-raise an out-of-space error inside the block as a one-line DiskFullError naming `what` and `where`."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as error:
+        if not is_disk_full(error, where):
+            raise
+        raise DiskFullError(disk_full_message(what, where, output_dir or where)) from None

@@ -1,0 +1,133 @@
+"""`trl-pruned-dpo --config configs/demo.yaml --compare`: stock `trl.DPOTrainer`, then `PrunedDPOTrainer`, on the
+same model, data, seed and DPO settings, the pruned one with the config's pruning fields.
+
+It prints one row per trainer (training wall time, final held-out reward accuracy, tokens executed as a share of
+the full graph) and writes ``<output_dir>/compare.json`` and ``<output_dir>/compare.png`` (held-out accuracy against
+step and against training time). Training time excludes the evaluations, which are TRL's own unpruned path in both.
+The runs are sequential, in this process: on a shared machine their wall times move with the load, so compare
+them on an otherwise idle machine, at one thread (the demo's `env: OMP_NUM_THREADS: "1"`).
+"""
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+class _HeldOutCurve(TrainerCallback):
+    """Records (step, training seconds, held-out reward accuracy) at each evaluation; training seconds exclude the
+    time spent evaluating."""
+
+    def __init__(self):
+        self.points, self.started, self.evaluating = [], None, 0.0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.started is None or not metrics or "eval_rewards/accuracies" not in metrics:
+            return
+        self.evaluating += metrics.get("eval_runtime", 0.0)
+        seconds = time.perf_counter() - self.started - self.evaluating
+        self.points.append((state.global_step, seconds, float(metrics["eval_rewards/accuracies"])))
+
+
+def _stock_config(pruned_args):
+    """A `trl.DPOConfig` with every DPOConfig field of `pruned_args` (the pruning fields dropped)."""
+    from trl import DPOConfig
+
+    values = {f.name: getattr(pruned_args, f.name) for f in dataclasses.fields(DPOConfig) if f.init}
+    return DPOConfig(**values)
+
+
+def _run(trainer_class, args, model_path, train_dataset, eval_dataset) -> dict:
+    curve = _HeldOutCurve()
+    trainer = trainer_class(model=model_path, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                            callbacks=[curve])
+    trainer.train()
+    if not curve.points or curve.points[-1][0] != trainer.state.global_step:
+        trainer.evaluate()  # the final point: the run ends with an evaluation, as the CLI's do
+    history = trainer.state.log_history
+    shares = [e["prune/tokens_executed"] for e in history if "prune/tokens_executed" in e]
+    return {
+        "trainer": trainer_class.__name__,
+        "steps": trainer.state.global_step,
+        "train_seconds": curve.points[-1][1],
+        "held_out_accuracy": curve.points[-1][2],
+        "tokens_executed": sum(shares) / len(shares) if shares else 1.0,  # stock runs the full graph
+        "curve": curve.points,
+    }
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'trainer':<18} {'steps':>5} {'train time':>11} {'held-out acc.':>14} {'tokens executed':>16}"]
+    for row in rows:
+        lines.append(f"{row['trainer']:<18} {row['steps']:>5} {row['train_seconds']:>9.1f} s "
+                     f"{row['held_out_accuracy']:>14.3f} {100 * row['tokens_executed']:>15.1f}%")
+    stock, pruned = rows
+    lines.append(f"pruned / stock: {pruned['train_seconds'] / stock['train_seconds']:.2f}x the training time, "
+                 f"{pruned['held_out_accuracy'] - stock['held_out_accuracy']:+.3f} held-out accuracy "
+                 "(one seed, sequential runs: times move with the machine's load)")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """Both held-out curves, against step and against training time; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(1, 2, figsize=(8, 3), sharey=True)
+    for row in rows:
+        steps, seconds, accuracy = zip(*row["curve"])
+        axes[0].plot(steps, accuracy, marker="o", label=row["trainer"])
+        axes[1].plot(seconds, accuracy, marker="o", label=row["trainer"])
+    for axis in axes:  # a coin flip; step 0 itself scores 0 (policy = reference: every margin is a tie)
+        axis.axhline(0.5, color="grey", linestyle="--", linewidth=1)
+    axes[0].set(xlabel="step", ylabel="held-out reward accuracy", ylim=(0.4, 1.0), xlim=(0, None))
+    axes[1].set(xlabel="training time (s, evaluation excluded)")
+    axes[0].legend(loc="lower right")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
+def compare(script_args, training_args, model_args, dataset_args) -> int:
+    """Train stock, then pruned; print the rows, write compare.json and compare.png. Returns the exit code."""
+    from trl import DPOTrainer
+
+    from .. import cli
+    from ..trainer import PrunedDPOTrainer
+
+    if training_args.eval_strategy == "no":
+        raise cli.InputError("--compare needs held-out pairs: set `eval_strategy: steps` (and `eval_steps`).")
+    if not training_args.pruning_enabled:
+        raise cli.InputError("--compare needs pruning settings to compare with stock: set e.g. "
+                             "`prefix_prune_prob: 0.5` and `prune_common_prefix: true`.")
+    cli._apply_thread_count()
+    cli._go_offline()  # the demo is offline; a hub model must be in the local cache
+    model_path = cli.resolve_model(model_args.model_name_or_path, model_args.model_revision)
+    dataset, name = cli.load_data(script_args, dataset_args)
+    train_dataset, eval_dataset = cli.check_splits(dataset, name, script_args, training_args)
+    output = Path(training_args.output_dir)
+    rows = []
+    for label, trainer_class, args in (("stock", DPOTrainer, _stock_config(training_args)),
+                                       ("pruned", PrunedDPOTrainer, training_args)):
+        args.output_dir = str(output / label)
+        print(f"--compare: training {trainer_class.__name__} ({label}) ...", flush=True)
+        rows.append(_run(trainer_class, args, model_path, train_dataset, eval_dataset))
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "compare.json").write_text(json.dumps(rows, indent=1))
+    drawn = plot(rows, output / "compare.png")
+    print(f"\n{cli.PROG} --compare (model {model_args.model_name_or_path}, data {name})\n{format_rows(rows)}")
+    print(f"wrote {output / 'compare.json'}" + (f" and {output / 'compare.png'}" if drawn else
+                                                  " (no PNG: `pip install matplotlib` to draw the curves)"))
+    return 0
