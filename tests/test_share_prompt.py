@@ -216,6 +216,21 @@ def test_unsupported_model_falls_back_with_one_warning(tokenizer, dataset, tmp_p
     assert torch.isfinite(loss) and "shared_pairs" not in trainer.last_prune_stats
 
 
+def test_moe_router_aux_loss_falls_back_with_one_warning(tokenizer, dataset, tmp_path):
+    """TRL's fused head computes the router aux loss with the attention mask, which a packed row replaces by a 4D one:
+    MoE models with the aux loss on run unshared (exact), with the reason said once."""
+    from tiny import tiny_moe_model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path,
+                                model=tiny_moe_model(tokenizer), share_prompt=True)
+    messages = [str(w.message) for w in caught if "share_prompt" in str(w.message)]
+    assert len(messages) == 1 and "router auxiliary loss" in messages[0]
+    loss, _ = loss_and_grads(trainer, first_batch(trainer))
+    assert torch.isfinite(loss) and trainer._grad_rows_aux_loss is not None
+
+
 def test_config_rejects_non_bool(tmp_path):
     with pytest.raises(TypeError, match="share_prompt"):
         PrunedDPOConfig(output_dir=str(tmp_path), share_prompt="yes", bf16=False)
