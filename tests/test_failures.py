@@ -475,7 +475,7 @@ def test_warns_before_training_on_alarming_settings(tokenizer, data, tmp_path):
 
 
 def test_every_row_dropped_by_truncation_is_said(tokenizer, data, tmp_path):
-    trainer = trainer_for(tokenizer, data, tmp_path, max_length=5)
-    with pytest.raises(EmptyTrainingSet, match=r"every training row was dropped: each prompt is at least "
-                                               r"max_length \(5\) tokens long"):
-        trainer.train()
+    # refused when the trainer is built, before any work (data_checks.py), as an input error the CLI prints in one line
+    with pytest.raises(EmptyTrainingSet, match=r"Every one of the \d+ training pairs was dropped because its prompt "
+                                               r"alone fills `max_length` \(5\) tokens"):
+        trainer_for(tokenizer, data, tmp_path, max_length=5)

@@ -14,6 +14,8 @@ Streaming (iterable) datasets are not checked: counting them would consume them.
 
 import warnings
 
+from .guards import EmptyTrainingSet
+
 _BATCH = 1024  # rows read at a time
 
 
@@ -32,7 +34,7 @@ def check_training_pairs(trainer, given) -> None:
     eos_id = getattr(getattr(trainer, "_tokenizer", None), "eos_token_id", None)
     n_before = len(given) if hasattr(given, "__len__") else None
     if len(prepared) == 0 and n_before:
-        raise ValueError(
+        raise EmptyTrainingSet(
             f"Every one of the {n_before} training pairs was dropped because its prompt alone fills `max_length` "
             f"({max_length}) tokens: nothing is left to train on. Raise `max_length` (or shorten the prompts).")
     degenerate, first, empty, first_empty, truncated = 0, None, 0, None, 0

@@ -32,20 +32,14 @@ class EmptyTrainingSet(ValueError):
 
 
 def check_not_empty(dataset, args) -> None:
-    """TRL drops the rows whose prompt alone fills `max_length` (truncation_mode keep_start); when that is every row
-    the sampler fails with `num_samples=0`. Say why instead."""
+    """An empty training set makes the sampler fail with `num_samples=0`: say so. (Pairs all dropped by truncation
+    are refused earlier, when the trainer is built: data_checks.py.)"""
     try:
         rows = len(dataset)
     except TypeError:  # an IterableDataset: its length is unknown before iterating
         return
-    if rows:
-        return
-    if args.max_length is not None and args.truncation_mode == "keep_start":
-        raise EmptyTrainingSet(
-            f"every training row was dropped: each prompt is at least max_length ({args.max_length}) tokens long, "
-            "so truncation would leave no response. Raise max_length, or set truncation_mode keep_end."
-        )
-    raise EmptyTrainingSet("the training dataset has no rows: check the dataset and its train split.")
+    if not rows:
+        raise EmptyTrainingSet("the training dataset has no rows: check the dataset and its train split.")
 
 
 def largest_inverse_weight(args) -> float:
