@@ -97,9 +97,10 @@ def _serve():
         import trl_pruned_dpo  # noqa: F401
     except ImportError:
         pass
-    from benchmarks.workload import quiet
+    from benchmarks.workload import quiet, scratch_root
 
     quiet()
+    scratch_root()  # created here, so the children (which exit without cleanup) write inside what this one removes
     out = sys.stdout
     sys.stdout = sys.stderr  # anything the libraries print must not corrupt the protocol
     for line in sys.stdin:

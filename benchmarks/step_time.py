@@ -3,7 +3,10 @@
     python -m benchmarks.step_time            # --quick (default): checkpointing on, both reference modes, memory
     python -m benchmarks.step_time --full     # + checkpointing off, 10 rounds, response-length x vocabulary scaling
     python -m benchmarks.step_time --smoke    # tiniest mode (CI): checks the harness, numbers mean nothing
-    python -m benchmarks.step_time --threads 1 --clock cpu   # on a machine shared with other jobs
+    python -m benchmarks.step_time --share    # share_prompt on three workloads (multi-turn, ultrafeedback, near-copy)
+
+On CPU the default is one torch thread and the process CPU-time clock (honest on a machine shared with other jobs;
+a warning says when the load average exceeds the cores); on GPU, the wall clock with synchronisation.
 
 Results (JSON, CSV, PNG) go to benchmarks/results/<mode>_<device>/; docs/benchmarks.md shows and explains them.
 
@@ -47,7 +50,23 @@ SETTINGS = {
     "prefix": dict(prefix_prune_prob=0.5),
     "combined": dict(branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5),
     "max": dict(branch_keep_prob=0.5, position_keep_prob=0.25, prefix_prune_prob=0.75),
+    # share_prompt (exact): each pair's prompt and common response start run once (docs/method.md, "Packed layout")
+    "share": dict(share_prompt=True),
+    "share+branch": dict(share_prompt=True, branch_keep_prob=0.5),
+    "share+position": dict(share_prompt=True, position_keep_prob=0.5),
+    "share+prefix": dict(share_prompt=True, prefix_prune_prob=0.5),
+    "share+prefix+position": dict(share_prompt=True, prefix_prune_prob=0.5, position_keep_prob=0.5),
+    "share+all": dict(share_prompt=True, branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5),
 }
+MAIN_SETTINGS = ["none", "branch", "position", "prefix", "combined", "max"]
+SHARE_SETTINGS = ["none"] + [name for name in SETTINGS if name.startswith("share")]
+
+# The three workloads of the shared-prompt grid (issue 9): the same model, ~260 tokens per pair in each.
+SHARE_WORKLOADS = [
+    Workload(vocab_size=8192, prompt_len=192, response_len=64, batch_size=4, name="multi-turn"),  # prompt ~3x resp.
+    Workload(vocab_size=8192, prompt_len=64, response_len=128, batch_size=4, name="ultrafeedback"),  # dissimilar
+    Workload(vocab_size=8192, prompt_len=64, response_len=128, batch_size=4, shared_response=0.5, name="near-copy"),
+]
 
 SMOKE_SHAPE = dict(
     hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
@@ -66,6 +85,10 @@ def plan(mode: str) -> dict:
             groups=[dict(workload=tiny, precompute=False, checkpointing=True, kind="main")],
             warmup=1, rounds=2, memory="all", memory_steps=1, memory_settings=["combined"],
         )
+    if mode == "share":  # the three shared-prompt workloads, TRL's default (checkpointing on), live reference
+        groups = [dict(workload=w, precompute=False, checkpointing=True, kind="share") for w in SHARE_WORKLOADS]
+        return dict(groups=groups, warmup=1, rounds=5, memory="all", memory_steps=2,
+                    memory_settings=["none", "share", "share+prefix+position", "share+all"])
     if mode == "quick":  # TRL's default (checkpointing on), both reference modes
         return dict(groups=main[:2], warmup=2, rounds=6, memory="all", memory_steps=2)
     # One pair per step keeps the 128k-vocabulary, 1024-token cells within a 2-core budget. With one pair each group
@@ -165,6 +188,7 @@ def summarize(group: dict, timed: dict, memory: dict, clock: str = "wall") -> li
         mem_s, mem_p = memory.get("stock"), memory.get(name)
         row = dict(
             kind=group["kind"],
+            workload=w.name or w.label(),
             reference="precomputed" if group["precompute"] else "live",
             checkpointing=ckpt,
             vocab=w.vocab_size,
@@ -270,7 +294,8 @@ COLUMNS = [
 
 def group_title(row: dict) -> str:
     return (
-        f"V={row['vocab'] // 1024}k R={row['response_len']} B={row['batch_pairs']} | reference={row['reference']} | "
+        f"{row.get('workload', '')} V={row['vocab'] // 1024}k P={row['prompt_len']} R={row['response_len']} "
+        f"B={row['batch_pairs']} | reference={row['reference']} | "
         f"checkpointing={'on' if row['checkpointing'] else 'off'}"
     )
 
@@ -341,6 +366,17 @@ def machine_info(device: str, threads: int) -> dict:
     return info
 
 
+def warn_if_loaded():
+    """One line on stderr when the machine is busier than its cores: wall-clock ratios mean little then."""
+    try:
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    except OSError:
+        return
+    if load > cores:
+        print(f"warning: load average {load:.1f} exceeds the {cores} cores: other jobs compete for the CPU; use "
+              "--threads 1 --clock cpu (the CPU default) and read wall-clock numbers with care", file=sys.stderr)
+
+
 # ------------------------------------------------------------------------------------------------------------ main
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -348,8 +384,11 @@ def main(argv=None):
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="main grid (default)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full", help="+ memory everywhere, scaling")
     mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tiniest mode, for CI")
+    mode.add_argument("--share", dest="mode", action="store_const", const="share",
+                      help="share_prompt grid: multi-turn, ultrafeedback and near-copy workloads")
     parser.add_argument("--out", help="output folder (default benchmarks/results/<mode>_<device>)")
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS),
+                        help="settings to time (default: the mode's own list)")
     parser.add_argument("--rounds", type=int, help="measured rounds per group (overrides the mode)")
     parser.add_argument("--warmup", type=int, help="warm-up rounds per group (overrides the mode)")
     parser.add_argument("--only", choices=["main", "scaling"], help="run one kind of group only")
@@ -358,17 +397,26 @@ def main(argv=None):
     parser.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurements")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 on both sides (default fp32)")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: 1 on CPU, torch's on GPU)")
     parser.add_argument(
-        "--clock", choices=["wall", "cpu"], default="wall",
-        help="step time for the speedup: wall clock (default), or process CPU time (shared machines, --threads 1)",
+        "--clock", choices=["wall", "cpu"],
+        help="step time for the speedup: process CPU time (default on CPU: with one thread it ignores time the "
+        "scheduler gave to other jobs) or wall clock (default on GPU)",
     )
     args = parser.parse_args(argv)
     mode = args.mode or "quick"
+    if args.settings is None:
+        args.settings = SHARE_SETTINGS if mode == "share" else MAIN_SETTINGS
+    on_cpu = args.device == "cpu"
+    # On a CPU shared with other jobs, several threads oversubscribe the cores and ratios collapse toward 1.0x: one
+    # thread and the CPU-time clock measure honestly there (docs/benchmarks.md).
+    args.threads = args.threads or (1 if on_cpu else None)
+    args.clock = args.clock or ("cpu" if on_cpu else "wall")
     quiet()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    warn_if_loaded()
     out_dir = args.out or os.path.join(os.path.dirname(__file__), "results", f"{mode}_{args.device}")
     p = plan(mode)
     groups = p["groups"]

@@ -11,10 +11,12 @@ A trainer is driven step by step (`StepRunner`) the way `Trainer._inner_training
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
 import random
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -47,9 +49,12 @@ class Workload:
     num_batches: int = 4  # distinct batches, cycled
     seed: int = 0
     model_shape: dict = field(default_factory=lambda: dict(MODEL_SHAPE))
+    shared_response: float = 0.0  # fraction of the chosen response the rejected one repeats at its start (near-copies)
+    name: str = ""  # the workload's name in tables (e.g. "multi-turn")
 
     def label(self) -> str:
-        return f"V{self.vocab_size // 1024}k_R{self.response_len}_B{self.batch_size}"
+        base = f"V{self.vocab_size // 1024}k_P{self.prompt_len}_R{self.response_len}_B{self.batch_size}"
+        return f"{self.name}:{base}" if self.name else base
 
 
 def quiet():
@@ -72,6 +77,24 @@ def quiet():
         transformers.logging.set_verbosity_error()
     except ImportError:
         pass
+
+
+_SCRATCH: list = []
+
+
+def scratch_root() -> str:
+    """One temporary folder per process, removed when the process exits (forked children that `os._exit` share their
+    parent's), so runs leave no `bench_*` folders behind in the system temp directory."""
+    if not _SCRATCH:
+        root = tempfile.mkdtemp(prefix="bench_")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _SCRATCH.append(root)
+    return _SCRATCH[0]
+
+
+def scratch_dir(side: str) -> str:
+    """An output folder for a benchmark trainer (it never saves), inside `scratch_root()`."""
+    return tempfile.mkdtemp(prefix=f"{side}_", dir=scratch_root())
 
 
 def build_tokenizer(vocab_size: int):
@@ -100,8 +123,12 @@ def build_dataset(w: Workload):
     for _ in range(w.batch_size * w.num_batches):
         rows["prompt"].append(words(rng.randint(3 * w.prompt_len // 4, w.prompt_len)))
         # The leading space keeps prompt + completion a word boundary, so TRL's prompt/completion split is exact.
-        rows["chosen"].append(" " + words(rng.randint(3 * w.response_len // 4, w.response_len) - 1))
-        rows["rejected"].append(" " + words(rng.randint(3 * w.response_len // 4, w.response_len) - 1))
+        chosen = words(rng.randint(3 * w.response_len // 4, w.response_len) - 1).split()
+        rejected = words(rng.randint(3 * w.response_len // 4, w.response_len) - 1).split()
+        common = int(w.shared_response * len(chosen))
+        rejected = chosen[:common] + rejected[common:]  # near-copies: the same start, then their own tokens
+        rows["chosen"].append(" " + " ".join(chosen))
+        rows["rejected"].append(" " + " ".join(rejected))
     return Dataset.from_dict(rows)
 
 
@@ -120,7 +147,10 @@ def build_model(w: Workload, dtype=torch.float32):
     return Qwen2ForCausalLM(config).to(dtype)
 
 
-PRUNING_FIELDS = ("branch_keep_prob", "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_sampling")
+PRUNING_FIELDS = (
+    "branch_keep_prob", "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_sampling",
+    "share_prompt",
+)
 
 
 def build_trainer(
@@ -147,12 +177,14 @@ def build_trainer(
     elif side == "pruned":
         from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
-        config_cls, trainer_cls, extra = PrunedDPOConfig, PrunedDPOTrainer, dict(pruning or {})
+        config_cls, extra = PrunedDPOConfig, dict(pruning or {})
+        # nothing pruned (the `none` row): time the plugin's forward, not the TRL path it delegates to
+        trainer_cls = PrunedDPOTrainer if extra else _plugin_forward_trainer()
     else:
         raise ValueError(f"side must be 'stock' or 'pruned', got {side!r}")
 
     args = config_cls(
-        output_dir=output_dir or tempfile.mkdtemp(prefix=f"bench_{side}_"),
+        output_dir=output_dir or scratch_dir(side),
         per_device_train_batch_size=w.batch_size,
         max_length=None,  # no truncation: the response lengths are what the cell says
         gradient_checkpointing=checkpointing,
@@ -179,6 +211,33 @@ def build_trainer(
         train_dataset=build_dataset(w),
         processing_class=build_tokenizer(w.vocab_size),
     )
+
+
+def _plugin_forward_trainer():
+    """The `none` row's trainer: the plugin's own forward with nothing pruned (compacted head, masks at identity).
+
+    With pruning off, `PrunedDPOTrainer` is TRL's own path (a drop-in); the benchmark's `none` row measures the
+    plugin's machinery instead, so that "vs none" isolates what each pruning buys. Benchmark-only, through the same
+    private seams as the parity tests (`_uses_pruned_forward`, `_pruned_loss`); no public flag.
+    """
+    from trl_pruned_dpo import PrunedDPOTrainer
+    from trl_pruned_dpo.trainer import _HostCopyCollator, _PerTokenReferenceCollator
+
+    class PluginForwardAtIdentity(PrunedDPOTrainer):
+        _uses_pruned_forward = True  # the per-token reference columns are stored and kept, as with pruning on
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.args.precompute_ref_log_probs:
+                self.data_collator = _PerTokenReferenceCollator(self.data_collator)
+            self.data_collator = _HostCopyCollator(self.data_collator)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not self.model.training:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return self._pruned_loss(model, inputs, return_outputs)
+
+    return PluginForwardAtIdentity
 
 
 class StepRunner:

@@ -45,16 +45,22 @@ def test_flop_model_worked_examples(live, ckpt, stock, pruned):
 
 def test_smoke_run_writes_results(tmp_path):
     out = tmp_path / "bench"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    scratch = tmp_path / "tmp"  # the system temp directory of the run: it must be left empty
+    scratch.mkdir()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "TMPDIR": str(scratch)}
+    settings = ["none", "branch", "position", "prefix", "combined", "max", "share"]
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--threads", "1", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--out", str(out), "--settings", *settings],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "limit" in proc.stdout and "eff" in proc.stdout  # the table is printed
 
+    assert not list(scratch.iterdir()), list(scratch.iterdir())  # no bench_* folders left behind
     data = json.loads((out / "step_time.json").read_text())
     assert {"machine", "settings", "mode"} <= set(data["meta"])
+    # on CPU the defaults measure honestly on a shared machine: one thread, CPU-time clock
+    assert data["meta"]["machine"]["torch_threads"] == 1 and data["meta"]["clock"] == "cpu"
     rows = data["results"]
     assert {r["setting"] for r in rows} == set(data["meta"]["settings"])
     for row in rows:
@@ -68,6 +74,19 @@ def test_smoke_run_writes_results(tmp_path):
     assert by_setting["position"]["positions_scored"] < 1.0
     assert by_setting["branch"]["flop_limit"] > by_setting["none"]["flop_limit"]
     assert by_setting["combined"]["memory_ratio"] > 0  # fresh-process memory measured
+    assert by_setting["share"]["tokens_executed"] < by_setting["none"]["tokens_executed"]  # prompts ran once
     assert (out / "step_time.csv").read_text().startswith("kind,")
     pytest.importorskip("matplotlib")
     assert (out / "step_time.png").stat().st_size > 0
+
+
+def test_warns_when_the_machine_is_loaded(monkeypatch, capsys):
+    from benchmarks import step_time
+
+    monkeypatch.setattr(step_time.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(step_time.os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    step_time.warn_if_loaded()
+    assert "load average 5.0 exceeds the 2 cores" in capsys.readouterr().err
+    monkeypatch.setattr(step_time.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    step_time.warn_if_loaded()
+    assert capsys.readouterr().err == ""

@@ -51,6 +51,10 @@ RUNS = [
                                   "per_device_train_batch_size": 1, "max_steps": 6, "gradient_checkpointing": False}},
     {"name": "peft", "reference": "peft", "config": {**PRUNED, "max_steps": 2}},
     {"name": "precompute", "reference": "precompute", "config": {**PRUNED, "max_steps": 2}},
+    # share_prompt: exact against stock with pruning off; with every pruning on, mixed shared / split pairs
+    {"name": "shared-off", "trainer": "pruned",
+     "config": {"share_prompt": True, "gradient_accumulation_steps": 2, "max_steps": 2}},
+    {"name": "shared", "config": {**PRUNED, **ACCUM, "share_prompt": True}},
 ]
 CONFIGS = {run["name"]: run["config"] for run in RUNS}
 
@@ -185,17 +189,21 @@ def test_finishes_on_both_ranks_in_sync(engine_run, name):
 
 
 @pytest.mark.slow
-def test_pruning_off_matches_stock_on_two_processes(engine_run):
+@pytest.mark.parametrize("off_run", ["off", "shared-off"])
+def test_pruning_off_matches_stock_on_two_processes(engine_run, off_run):
     _, out = engine_run
     for rank in range(WORLD):
-        stock, off = losses(report(out, "stock", rank)["log_history"]), losses(report(out, "off", rank)["log_history"])
+        stock, off = losses(report(out, "stock", rank)["log_history"]), losses(report(out, off_run, rank)["log_history"])
         assert len(stock) == len(off) == 2
         for hs, ho in zip(stock, off):
             for key, value in hs.items():
                 if isinstance(value, float) and key not in ("epoch", "learning_rate"):
                     assert ho[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (rank, hs["step"], key)
-            assert not any(k.startswith("prune/") for k in ho)  # pruning off is TRL's own path: stock's metrics
-    w_stock, w_off = weights(out, "stock", 0), weights(out, "off", 0)
+            if off_run == "off":  # pruning off is TRL's own path: stock's metrics
+                assert not any(k.startswith("prune/") for k in ho)
+            else:  # share_prompt runs the plugin's forward, exactly: stock's metrics plus the prune/ fractions
+                assert ho["prune/branches_backpropagated"] == 1.0 and ho["prune/positions_scored"] == 1.0
+    w_stock, w_off = weights(out, "stock", 0), weights(out, off_run, 0)
     for key in w_stock:
         torch.testing.assert_close(w_off[key], w_stock[key], rtol=1e-4, atol=1e-6, msg=key)
 

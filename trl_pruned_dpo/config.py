@@ -58,6 +58,12 @@ class PrunedDPOConfig(DPOConfig):
             no loss value, removes their cost, and removes the aligned part of the two branch gradients that makes
             single-branch estimates noisy. With it on, the logged per-branch rewards and log-probs exclude the
             common prefix (their difference, the margin, is unchanged).
+        share_prompt (`bool`, *optional*, defaults to `False`):
+            Run each pair's prompt and the response start its chosen and rejected share once, as one packed
+            sequence [shared | rest of chosen | rest of rejected] with a mask in which each branch sees the shared
+            part and itself only (docs/method.md, "Packed layout"). Exact: the same per-token log-probs as the
+            unshared forward, for every loss type, for the policy and the reference. Models whose attention cannot
+            take such a mask fall back to the unshared forward with one warning.
         prune_seed (`int`, *optional*):
             Seed of the mask generator (an integer). Defaults to `seed`. Masks are a function of (prune_seed, global step,
             micro-step, process rank) only; they never draw from the global RNG.
@@ -101,6 +107,13 @@ class PrunedDPOConfig(DPOConfig):
         metadata={
             "help": "Skip response tokens shared at the start of chosen and rejected (exact for losses of D_w - D_l: "
             "sigmoid, hinge, robust, exo_pair, discopop). Logged per-branch rewards then exclude that prefix."
+        },
+    )
+    share_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Run each pair's prompt and common response start once, chosen and rejected packed behind it "
+            "(exact; docs/method.md, 'Packed layout')."
         },
     )
     prune_seed: int | None = field(
@@ -172,6 +185,8 @@ class PrunedDPOConfig(DPOConfig):
         unknown = [loss for loss in self.loss_type if loss not in TRL_LOSS_TYPES]
         if unknown and self.pruning_enabled:  # pruning off: TRL's own (later) error, as stock
             raise ValueError(f"Unknown `loss_type` {unknown}: choose among {list(TRL_LOSS_TYPES)}.")
+        if not isinstance(self.share_prompt, bool):
+            raise TypeError(f"`share_prompt` must be true or false, got {self.share_prompt!r}.")
         if self.branch_sampling not in BRANCH_SAMPLINGS:
             raise ValueError(
                 f"`branch_sampling` must be one of {list(BRANCH_SAMPLINGS)}, got {self.branch_sampling!r}."

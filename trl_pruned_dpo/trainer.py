@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -44,13 +45,37 @@ from ._trl import (
 from .config import PrunedDPOConfig
 from .data_checks import check_training_pairs
 from .estimators import horvitz_thompson, scale_branch_gradient
+from .execute import row_multiple, run_group, unsupported_reason
 from .guards import DivergenceGuard, TrainingDiverged, check_not_empty, warn_before_training
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
+from .plan import HostBatch, common_tokens, plan_policy, plan_reference, unshared_rows, work_counts
 
 # Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
 REF_TOKEN_COLUMNS = ("ref_chosen_token_logps", "ref_rejected_token_logps")
 REF_TOKEN_KEY = "ref_token_logps"
-_NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", REF_TOKEN_KEY}
+# Batch key of the host copy of the token layout (plan.HostBatch), attached by the collator.
+HOST_KEY = "host_batch"
+_NON_MODEL_KEYS = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps", REF_TOKEN_KEY, HOST_KEY}
+# Batch keys the shared-prompt forward knows how to pack; any other per-token input makes it run unshared.
+_SHAREABLE_KEYS = {"input_ids", "attention_mask"} | _NON_MODEL_KEYS
+
+
+def _masks_to(masks: PruneMasks, device) -> PruneMasks:
+    """The masks on `device` (a copy; a no-op for tensors already there)."""
+    return PruneMasks(**{f.name: getattr(masks, f.name).to(device, non_blocking=True)
+                         for f in dataclasses.fields(masks)})
+
+
+@dataclass
+class _HostCopyCollator:
+    """Wraps the collator: attaches a host copy of the token layout, so the plan never reads device tensors."""
+
+    collator: Any
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        batch[HOST_KEY] = HostBatch(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        return batch
 
 
 class _Replay:
@@ -162,6 +187,7 @@ class PrunedDPOTrainer(DPOTrainer):
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         self._grad_rows_aux_loss = None
+        self._share_backend = None  # resolved below, once the model is prepared (precompute runs unshared)
         super().__init__(model, ref_model, args, *pargs, **kwargs)
         check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (data_checks.py)
         if uses_pruned_forward(args):
@@ -169,6 +195,10 @@ class PrunedDPOTrainer(DPOTrainer):
                 raise ValueError(_VISION_ERROR)
             if args.precompute_ref_log_probs:
                 self.data_collator = _PerTokenReferenceCollator(self.data_collator)
+            if not isinstance(self.train_dataset, (IterableDataset, torch.utils.data.IterableDataset)):
+                # (batches of an iterable dataset may be dispatched across processes, which carries tensors only)
+                self.data_collator = _HostCopyCollator(self.data_collator)
+            self._share_backend = self._shared_prompt_backend()
 
     @property
     def _uses_pruned_forward(self) -> bool:
@@ -254,100 +284,157 @@ class PrunedDPOTrainer(DPOTrainer):
         )
 
     def _draw_masks(self, inputs) -> PruneMasks:
+        """This micro-step's masks, drawn on the host from the batch's token layout (no device sync)."""
+        host = self._host_batch(inputs)
         generator = self._next_mask_generator()
-        return draw_masks(inputs["input_ids"], inputs["completion_mask"], **self._mask_options(), generator=generator)
+        return draw_masks(host.input_ids, host.completion_mask, **self._mask_options(), generator=generator)
 
-    def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, executed: torch.Tensor,
-                      **model_kwargs):
-        """Run `rows` of the batch, trimmed to the longest executed row, scoring the `scored` positions only.
+    def _host_batch(self, inputs) -> HostBatch:
+        """The batch's token layout on the host: the collator's copy, else one copy now (precompute, custom loops)."""
+        host = inputs.get(HOST_KEY)
+        if host is None:
+            host = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask")))
+        return host
 
-        Returns the fused-head outputs (per-token tensors of shape (len(rows), width - 1)) and the width. An empty
-        `rows` still runs one row of two tokens, scoring nothing: every process must run the same modules in the same
-        order (ZeRO-3/FSDP), and a grad group must stay connected to the graph.
+    def _shared_prompt_backend(self) -> str | None:
+        """The attention backend of the shared-prompt forward, or None (off, or the model cannot: one warning)."""
+        if not self.args.share_prompt:
+            return None
+        reasons = []
+        if self.aux_loss_enabled:  # TRL's fused head computes it with the attention mask, which must then be 2D
+            reasons.append("the MoE router auxiliary loss needs the unpacked (2D) attention mask")
+        for model in (self.model, self.ref_model):
+            if model is None:
+                continue
+            model = self.accelerator.unwrap_model(model)
+            model = model.get_base_model() if is_peft_model(model) else model
+            reason = unsupported_reason(model)
+            if reason:
+                reasons.append(reason)
+        if reasons:
+            warnings.warn(
+                f"share_prompt=True is ignored: {reasons[0]}. Training runs the unshared forward (exact, slower).",
+                stacklevel=3,
+            )
+            return None
+        return self.accelerator.unwrap_model(self.model).config._attn_implementation
+
+    def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, width: int, **model_kwargs):
+        """Run `rows` of the batch, trimmed to `width` columns, scoring the `scored` positions only.
+
+        `rows` and `scored` live on the host (the plan, `plan.unshared_rows`). Returns the fused-head outputs
+        (per-token tensors of shape (len(rows), width - 1)). An empty `rows` still runs one row of two tokens, scoring
+        nothing: every process must run the same modules in the same order (ZeRO-3/FSDP), and a grad group must stay
+        connected to the graph.
         """
         if rows.numel() == 0:
-            rows, width = rows.new_zeros(1), 2
+            rows = rows.new_zeros(1)
             scored = torch.zeros_like(scored)
-        else:
-            width = int(executed[rows].max())
-        input_ids = inputs["input_ids"][rows, :width]
+        device = inputs["input_ids"].device
+        index = rows.to(device, non_blocking=True)
+        input_ids = inputs["input_ids"][index, :width]
         labels = torch.full_like(input_ids, -100)
-        labels[:, 1:] = torch.where(scored[rows, : width - 1], input_ids[:, 1:], -100)
+        keep = scored[rows, : width - 1].to(device, non_blocking=True)
+        labels[:, 1:] = torch.where(keep, input_ids[:, 1:], -100)
         total_rows, total_cols = inputs["input_ids"].shape
         kwargs = {}
         for key, value in inputs.items():
             if key in _NON_MODEL_KEYS or key == "input_ids":
                 continue
             if torch.is_tensor(value) and value.dim() >= 2 and value.shape[:2] == (total_rows, total_cols):
-                value = value[rows, :width]
+                value = value[index, :width]
             elif torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == total_rows:
-                value = value[rows]
+                value = value[index]
             kwargs[key] = value
         kwargs.update(model_kwargs)
         with compact_lm_head():
             outputs = model(input_ids=input_ids, labels=labels, use_cache=False, fused_lm_head=True, **kwargs)
-        return outputs, width
+        return outputs
 
-    def _reference_log_probs(self, model, inputs, scored: torch.Tensor, executed: torch.Tensor | None = None):
-        """Per-token reference log-probs (rows, cols) on the `scored` positions, 0 elsewhere; never backpropagated."""
-        if executed is None:
-            executed = executed_columns(scored)
-        rows = torch.nonzero(executed > 0).flatten()
-        per_token = torch.zeros(scored.shape, dtype=torch.float32, device=scored.device)
-        adapter = contextlib.nullcontext()
+    def _no_grad_block(self) -> contextlib.ExitStack:
+        """No grad and no gradient checkpointing (nothing to recompute); nested blocks do not toggle it again."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs))
+        return stack
+
+    def _reference_context(self) -> contextlib.ExitStack:
+        """A no-grad block, with the policy's adapter disabled when the reference is the PEFT policy without it."""
+        stack = self._no_grad_block()
         if self.ref_model is None and is_peft_model(self.model):
             # Reference = the policy with its adapter disabled (or TRL's frozen "ref" adapter copy)
             unwrapped = self.accelerator.unwrap_model(self.model)
-            adapter = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
-            adapter,
-        ):
-            outputs, width = self._forward_rows(model, inputs, rows, scored, executed)
+            stack.enter_context(use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None))
+        return stack
+
+    def _reference_log_probs(self, model, inputs, scored: torch.Tensor, executed: torch.Tensor | None = None):
+        """Per-token reference log-probs (rows, cols) on the `scored` positions, 0 elsewhere; never backpropagated."""
+        scored = scored.cpu()  # the plan is made on the host (a no-op in training, where the masks live there)
+        device = inputs["input_ids"].device
+        if self._share_backend is not None and self._can_share(inputs):
+            host = self._host_batch(inputs)
+            group = plan_reference(host, scored, common_tokens(host), row_multiple(self._share_backend))
+            with self._reference_context():
+                outputs, _ = run_group(model, group, ("log_probs",), self._share_backend, device)
+            self._count("reference_tokens_executed", group.input_ids.numel())
+            self._count("reference_positions_scored", group.scored)
+            return outputs["log_probs"].float()
+        executed = executed_columns(scored) if executed is None else executed.cpu()
+        rows, width, positions = unshared_rows(scored, executed, torch.ones_like(executed, dtype=torch.bool))
+        per_token = torch.zeros(scored.shape, dtype=torch.float32, device=device)
+        with self._reference_context():
+            outputs = self._forward_rows(model, inputs, rows, scored, width)
         if rows.numel():
-            per_token[rows, : width - 1] = outputs.log_probs[:, -(width - 1) :].float()
+            per_token[rows.to(device), : width - 1] = outputs.log_probs[:, -(width - 1) :].float()
         self._count("reference_tokens_executed", max(rows.numel(), 1) * width)
-        self._count("reference_positions_scored", int(scored[rows].sum()) if rows.numel() else 0)
+        self._count("reference_positions_scored", positions)
         return per_token
 
     def _reference_sums(self, inputs, per_token: torch.Tensor):
         """Per-branch reference sums from per-token values, through TRL's own `compute_ref_log_probs` (ld_alpha)."""
         return DPOTrainer.compute_ref_log_probs(self, _Replay(log_probs=per_token), inputs)
 
-    def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """The pruned forward of the [chosen; rejected] batch.
+    def _can_share(self, inputs) -> bool:
+        """The packed forward feeds the model token ids only: a batch with other per-token inputs runs unshared."""
+        return not (set(inputs) - _SHAREABLE_KEYS)
 
-        Returns the policy's per-token outputs (log-probs and TRL's metric fields) as inverse-probability-weighted
-        terms whose row sums are unbiased for the full sums, with the straight-through branch scaling applied to the
-        log-probs (Eq. 3), and the reference's per-branch sums (chosen, rejected) under the same masks.
+    def _policy_shared(self, model, inputs, masks: PruneMasks, fields, device):
+        """The shared-prompt policy forwards (plan.py, execute.py): per-token outputs on the grid, and the frozen pass.
+
+        Returns (per_token, run_frozen): run_frozen() runs the no-grad group (inside the micro-step's single no-grad
+        block) and returns its per-token outputs on the grid (zero outside its rows), or None.
         """
-        masks = self._draw_masks(inputs)
-        self.last_prune_stats = {}
-        response = inputs["completion_mask"][:, 1:].bool()
-        shape, device = response.shape, response.device
-        needed = masks.executed > 0
-        grad_rows = torch.nonzero(needed & masks.backprop).flatten()
-        frozen_rows = torch.nonzero(needed & ~masks.backprop).flatten()
+        host = self._host_batch(inputs)
+        common = common_tokens(host)
+        grad_cost = 4.0 if self.args.gradient_checkpointing else 3.0  # forward + backward (+ recompute), Eq. in method
+        plan = plan_policy(host, masks, frozen_group=self.args.branch_keep_prob < 1, grad_cost=grad_cost,
+                           common=common, multiple=row_multiple(self._share_backend))
+        # (no MoE router aux loss here: `_shared_prompt_backend` keeps such models on the unshared forward)
+        per_token, _ = run_group(model, plan.grad, fields, self._share_backend, device)
+        executed = plan.grad.input_ids.numel()
+        self._count("policy_tokens_executed", executed)
+        self._count("grad_tokens_executed", executed)
+        self._count("shared_pairs", plan.shared_pairs)
+        self._count("split_pairs", plan.split_pairs)
 
-        fields = ("log_probs", "entropy", "mean_logits", "is_top1") + (
-            ("log_sum_sq_probs",) if self.use_weighting else ()
-        )
-        per_token = {f: torch.zeros(shape, dtype=torch.bool if f == "is_top1" else torch.float32, device=device)
-                     for f in fields}
-        connect = None
-        groups = [(grad_rows, True)]
-        if self.args.branch_keep_prob < 1:  # a structural choice, the same on every process
-            groups.append((frozen_rows, False))
-        for rows, with_grad in groups:
-            context = contextlib.nullcontext() if with_grad else torch.no_grad()
-            freeze = contextlib.nullcontext() if with_grad else disable_gradient_checkpointing(
-                self.model, self.args.gradient_checkpointing_kwargs
-            )
+        def run_frozen():
+            if plan.frozen is None:
+                return None
+            self._count("policy_tokens_executed", plan.frozen.input_ids.numel())
+            return run_group(model, plan.frozen, fields, self._share_backend, device)[0]
+
+        return per_token, run_frozen
+
+    def _policy_unshared(self, model, inputs, masks: PruneMasks, fields, shape, device):
+        """The unshared policy forwards: backpropagated rows with grad; returns (per_token, run_frozen) like above."""
+
+        def run(with_grad):
+            rows, width, _ = unshared_rows(masks.scored, masks.executed, masks.backprop == with_grad)
+            per_token = {f: torch.zeros(shape, dtype=torch.bool if f == "is_top1" else torch.float32, device=device)
+                         for f in fields}
             # MoE: the router aux loss is the grad rows' own, over their executed columns (docs/parity.md)
             router = {"output_router_logits": True} if with_grad and self.aux_loss_enabled else {}
-            with context, freeze:
-                outputs, width = self._forward_rows(model, inputs, rows, masks.scored, masks.executed, **router)
+            outputs = self._forward_rows(model, inputs, rows, masks.scored, width, **router)
             if router:
                 self._grad_rows_aux_loss = outputs.aux_loss * (1.0 if rows.numel() else 0.0)
             tokens = max(rows.numel(), 1) * width
@@ -355,59 +442,92 @@ class PrunedDPOTrainer(DPOTrainer):
             if with_grad:
                 self._count("grad_tokens_executed", tokens)
             if rows.numel() == 0:
-                if with_grad:
-                    connect = outputs.log_probs.sum() * 0.0
-                continue
+                if with_grad:  # keep the grad group connected to the graph
+                    per_token["log_probs"] = per_token["log_probs"] + outputs.log_probs.sum() * 0.0
+                return per_token
+            index = rows.to(device, non_blocking=True)
             for f in fields:
                 value = getattr(outputs, f)[:, -(width - 1) :]
                 if f == "log_probs":
                     # out-of-place so autograd keeps the grad rows' history
-                    per_token[f] = per_token[f].index_put((rows,), torch.nn.functional.pad(
+                    per_token[f] = per_token[f].index_put((index,), torch.nn.functional.pad(
                         value.float(), (0, shape[1] - (width - 1))))
                 else:
-                    per_token[f][rows, : width - 1] = value.to(per_token[f].dtype)
+                    per_token[f][index, : width - 1] = value.to(per_token[f].dtype)
+            return per_token
 
-        weights = masks.weights.to(device)
+        def run_frozen():
+            # a structural choice, the same on every process
+            return run(False) if self.args.branch_keep_prob < 1 else None
+
+        return run(True), run_frozen
+
+    def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The pruned forward of the [chosen; rejected] batch.
+
+        Returns the policy's per-token outputs (log-probs and TRL's metric fields) as inverse-probability-weighted
+        terms whose row sums are unbiased for the full sums, with the straight-through branch scaling applied to the
+        log-probs (Eq. 3), and the reference's per-branch sums (chosen, rejected) under the same masks.
+
+        Plan on the host (masks, layout), then execute: the backpropagated forward first, then every no-grad forward
+        (frozen branches, reference) in one block, so gradient checkpointing is toggled at most once per micro-step.
+        """
+        masks = _masks_to(self._draw_masks(inputs), "cpu")  # the host copy the plan reads
+        self.last_prune_stats = {}
+        response = inputs["completion_mask"][:, 1:].bool()
+        shape, device = response.shape, response.device
+        fields = ("log_probs", "entropy", "mean_logits", "is_top1") + (
+            ("log_sum_sq_probs",) if self.use_weighting else ()
+        )
+        if self._share_backend is not None and self._can_share(inputs):
+            per_token, run_frozen = self._policy_shared(model, inputs, masks, fields, device)
+        else:
+            per_token, run_frozen = self._policy_unshared(model, inputs, masks, fields, shape, device)
+        with self._no_grad_block():
+            frozen = run_frozen()
+            reference = self._pruned_reference(model, inputs, masks, response)
+        if frozen is not None:  # the groups fill disjoint cells (zero elsewhere); combined outside no_grad
+            for f in fields:
+                per_token[f] = per_token[f] | frozen[f] if f == "is_top1" else per_token[f] + frozen[f]
+
+        on_device = _masks_to(masks, device)
         for f in fields:
             if f != "is_top1":
-                per_token[f] = horvitz_thompson(per_token[f], weights)
-        per_token["is_top1"] &= masks.scored
+                per_token[f] = horvitz_thompson(per_token[f].float(), on_device.weights)
+        per_token["is_top1"] = per_token["is_top1"].bool() & on_device.scored
         if self.args.branch_keep_prob < 1:
-            per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], masks.branch_scale.to(device))
-        if connect is not None:
-            per_token["log_probs"] = per_token["log_probs"] + connect
+            per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], on_device.branch_scale)
 
-        reference = self._pruned_reference(model, inputs, masks, response)
-        self._count("positions_scored", int(masks.scored.sum()))
-        self._count("grad_positions_scored", int(masks.scored[masks.backprop].sum()))
-        self._count("tokens_needed", int(masks.executed.sum()))
-        self._count("response_positions", int(response.sum()))
-        self._count("rows", shape[0])
-        self._count("grad_rows", int(masks.backprop.sum()))
-        self._count("full_tokens", inputs["input_ids"].numel())
-        self._last_masks = masks
+        for name, value in work_counts(self._host_batch(inputs), masks).items():
+            self._count(name, value)
+        self._last_masks = on_device
         return per_token, reference
 
     def _pruned_reference(self, model, inputs, masks: PruneMasks, response: torch.Tensor):
-        """Reference sums under the policy's masks (`prune_reference`), or exact sums over every kept position."""
+        """Reference sums under the policy's masks (`prune_reference`), or exact sums over every kept position.
+
+        `masks` are the host copy (the plan reads them); the weights go to the device for the estimate.
+        """
         prune = self.args.prune_reference
+        device = response.device
+        weights = masks.weights.to(device, non_blocking=True)
+        exact = masks.exact.to(device, non_blocking=True)
         if self.precompute_ref_logps:
             if not prune and not self.args.prune_common_prefix:
                 return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-            stored = inputs[REF_TOKEN_KEY].to(masks.weights.device)
-            weights = masks.weights if prune else masks.exact.float()
-            return self._reference_sums(inputs, horvitz_thompson(stored, weights))
+            stored = inputs[REF_TOKEN_KEY].to(device)
+            return self._reference_sums(inputs, horvitz_thompson(stored, weights if prune else exact.float()))
         reference_model = self.ref_model if self.ref_model is not None else self.model
         if prune:
             per_token = self._reference_log_probs(reference_model, inputs, masks.scored, masks.executed)
-            return self._reference_sums(inputs, horvitz_thompson(per_token, masks.weights))
+            return self._reference_sums(inputs, horvitz_thompson(per_token, weights))
         per_token = self._reference_log_probs(reference_model, inputs, masks.exact)
-        return self._reference_sums(inputs, per_token * masks.exact)
+        return self._reference_sums(inputs, per_token * exact)
 
     # ----------------------------------------------------------------------------------------------------------- loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.model.training or not self._uses_pruned_forward:  # evaluation, and pruning off: TRL's own path
-            inputs = {k: v for k, v in inputs.items() if k != REF_TOKEN_KEY}
+            inputs = {k: v for k, v in inputs.items() if k not in (REF_TOKEN_KEY, HOST_KEY)}
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         return self._pruned_loss(model, inputs, return_outputs)
 
@@ -435,7 +555,6 @@ class PrunedDPOTrainer(DPOTrainer):
     def _log_pruned_metrics(self, per_token, inputs):
         """The `prune/` fractions, and TRL's token accuracy re-estimated from the scored positions only."""
         masks, stats = self._last_masks, self.last_prune_stats
-        chosen_response = inputs["completion_mask"][:, 1:].bool().chunk(2)[0]
         chosen_weights = masks.weights.chunk(2)[0]
         chosen_top1 = per_token["is_top1"].chunk(2)[0].float()
         counts = torch.tensor(
@@ -447,12 +566,12 @@ class PrunedDPOTrainer(DPOTrainer):
                 stats["full_tokens"],
                 stats["grad_rows"],
                 stats["rows"],
-                float((chosen_top1 * chosen_weights).sum()),
-                int(chosen_response.sum()),
+                stats["chosen_response_positions"],
             ],
             dtype=torch.float64,
-            device=self.accelerator.device,
-        )
+        ).to(self.accelerator.device, non_blocking=True)
+        top1_estimate = (chosen_top1 * chosen_weights).sum().double().reshape(1)
+        counts = torch.cat([counts[:-1], top1_estimate, counts[-1:]])  # device values: the one sync is below
         totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0).tolist()
         (scored, response, executed, grad_tokens, full, grad_rows, rows, top1, chosen_tokens) = totals
         metrics = self._metrics["train"]
@@ -462,6 +581,9 @@ class PrunedDPOTrainer(DPOTrainer):
         metrics["prune/tokens_executed"].append(executed / max(full, 1))
         metrics["prune/tokens_backpropagated"].append(grad_tokens / max(full, 1))
         metrics["prune/branches_backpropagated"].append(grad_rows / max(rows, 1))
+        if self._share_backend is not None:  # which execution the cost model picked (docs/method.md)
+            shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
+            metrics["prune/pairs_shared"].append(shared / max(shared + split, 1))
 
     # ------------------------------------------------------------------------------------------------- metric names
     def _relabel_stock_metrics(self, per_token):

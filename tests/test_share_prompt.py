@@ -1,0 +1,271 @@
+"""`share_prompt=True` is exact: the packed [shared | chosen | rejected] forward gives the unshared forward's (and stock
+TRL's) loss, gradients and metrics; stacked with the prunings it gives the unshared pruned estimate under the same
+masks. Plus the plan's layout, the cost model's choice, the fallback, and the micro-step's syncs and toggles."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from trl import DPOConfig, DPOTrainer
+
+from conftest import build_trainer, first_batch, loss_and_grads, preference_rows, tiny_model
+from test_off_means_stock import assert_same_step
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.masks import PruneMasks
+from trl_pruned_dpo.plan import HostBatch, common_tokens, pack, plan_policy, shared_is_cheaper
+
+
+def edge_rows():
+    """Ragged prompts and responses, identical responses, responses differing only in the last token."""
+    rows = preference_rows(5, seed=3)
+    rows += [
+        {"prompt": "long prompt " * 3, "chosen": "same answer", "rejected": "same answer"},
+        {"prompt": "p: ", "chosen": "abcdefgh", "rejected": "abcdefgX"},
+        {"prompt": "q", "chosen": "x", "rejected": "a much longer rejected answer"},
+    ]
+    return rows
+
+
+def tiny_qwen2(tokenizer, attn="sdpa", **extra):
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         pad_token_id=tokenizer.pad_token_id, attn_implementation=attn, **extra)
+    return Qwen2ForCausalLM(config)
+
+
+def llama(tokenizer, attn="sdpa"):
+    model = tiny_model(tokenizer)
+    model.config._attn_implementation = attn
+    return model
+
+
+def assert_same_loss_and_grads(unshared, shared, batch_size=8):
+    loss_u, grads_u = loss_and_grads(unshared, first_batch(unshared, batch_size))
+    loss_s, grads_s = loss_and_grads(shared, first_batch(shared, batch_size))
+    torch.testing.assert_close(loss_s, loss_u, rtol=1e-5, atol=1e-6)
+    assert grads_u.keys() == grads_s.keys()
+    for name in grads_u:
+        scale = float(grads_u[name].abs().max()) + 1e-12
+        torch.testing.assert_close(grads_s[name], grads_u[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+CASES = [  # (model builder, attention, config overrides)
+    (llama, "sdpa", {"loss_type": ["sigmoid"]}),
+    (llama, "sdpa", {"loss_type": ["sppo_hard"]}),
+    (llama, "eager", {"loss_type": ["ipo"], "gradient_checkpointing": False}),
+    (llama, "sdpa", {"loss_type": ["bco_pair"], "max_length": 40}),  # truncation
+    (llama, "sdpa", {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5}),
+    (tiny_qwen2, "sdpa", {"loss_type": ["apo_zero"], "use_weighting": True}),
+    (tiny_qwen2, "eager", {"loss_type": ["robust"], "label_smoothing": 0.1, "f_divergence_type": "js_divergence"}),
+]
+
+
+@pytest.mark.parametrize("build, attn, case", CASES, ids=lambda c: getattr(c, "__name__", str(c)))
+def test_shared_equals_unshared_and_stock(build, attn, case, tokenizer, tmp_path):
+    data = Dataset.from_list(edge_rows())
+    model = build(tokenizer, attn)
+    kw = dict(per_device_train_batch_size=8, **case)
+
+    def make(cls, config, name, **extra):
+        return build_trainer(cls, config, tokenizer, data, tmp_path / name, model=copy.deepcopy(model), **kw, **extra)
+
+    shared = make(PrunedDPOTrainer, PrunedDPOConfig, "shared", share_prompt=True)
+    assert shared._share_backend == attn
+    assert_same_step(make(DPOTrainer, DPOConfig, "stock"), shared, batch_size=8)
+    unshared = make(PrunedDPOTrainer, PrunedDPOConfig, "unshared")
+    assert_same_loss_and_grads(unshared, shared)
+    stats = shared.last_prune_stats
+    assert stats["policy_tokens_executed"] < stats["full_tokens"]  # the prompts ran once
+    assert stats["shared_pairs"] == 8
+
+
+PRUNINGS = {
+    "position+prefix": dict(position_keep_prob=0.5, prefix_prune_prob=0.5),
+    "branch-paired": dict(branch_keep_prob=0.5),
+    "all-independent": dict(branch_keep_prob=0.6, branch_sampling="independent", position_keep_prob=0.7,
+                            prefix_prune_prob=0.5, prefix_min_ratio=0.3),
+    "common-prefix": dict(prune_common_prefix=True, branch_keep_prob=0.5, prune_reference=False),
+}
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("pruning", PRUNINGS, ids=list(PRUNINGS))
+def test_stacked_with_pruning_same_estimate(pruning, checkpointing, tokenizer, tmp_path):
+    """Same seed, same masks: the shared execution gives the unshared pruned estimate exactly (loss and gradient)."""
+    data = Dataset.from_list(edge_rows())
+    kw = dict(per_device_train_batch_size=8, gradient_checkpointing=checkpointing, **PRUNINGS[pruning])
+    unshared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "u", **kw)
+    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "s", share_prompt=True, **kw)
+    for _ in range(3):  # three micro-steps: three different draws
+        assert_same_loss_and_grads(unshared, shared)
+        assert shared.last_prune_stats["policy_tokens_executed"] < unshared.last_prune_stats["policy_tokens_executed"]
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_peft_and_precomputed_reference(precompute, tokenizer, tmp_path):
+    data = Dataset.from_list(edge_rows())
+
+    def make(cls, config, out, **extra):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        args = config(output_dir=str(tmp_path / out), per_device_train_batch_size=8, max_steps=1, report_to="none",
+                      bf16=False, precompute_ref_log_probs=precompute, learning_rate=1e-3, **extra)
+        trainer = cls(model=tiny_model(tokenizer), args=args, train_dataset=data, processing_class=tokenizer,
+                      peft_config=lora)
+        with torch.no_grad():  # move the adapter off zero so the policy differs from the reference
+            g = torch.Generator().manual_seed(5)
+            for name, p in trainer.model.named_parameters():
+                if "lora_B" in name and ".default." in name:
+                    p.add_(0.1 * torch.randn(p.shape, generator=g))
+        return trainer
+
+    shared = make(PrunedDPOTrainer, PrunedDPOConfig, "s", share_prompt=True)
+    assert_same_step(make(DPOTrainer, DPOConfig, "stock"), shared, batch_size=8)
+    # with branch pruning the frozen branches run under no_grad with the adapter on (the policy, not the reference)
+    kw = dict(share_prompt=True, branch_keep_prob=0.5)
+    a = make(PrunedDPOTrainer, PrunedDPOConfig, "a", **kw)
+    b = make(PrunedDPOTrainer, PrunedDPOConfig, "b", branch_keep_prob=0.5)
+    b.model.load_state_dict(a.model.state_dict())
+    assert_same_loss_and_grads(b, a)
+
+
+def test_gradient_accumulation_history_equals_stock(tokenizer, tmp_path):
+    data = Dataset.from_list(edge_rows())
+    kw = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}
+    stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "s", **kw)
+    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p", share_prompt=True, **kw)
+    stock.train()
+    shared.train()
+    history_s = [h for h in stock.state.log_history if "loss" in h]
+    history_p = [h for h in shared.state.log_history if "loss" in h]
+    assert len(history_s) == len(history_p) == 2
+    for hs, hp in zip(history_s, history_p):
+        for key, value in hs.items():
+            if key not in ("epoch", "step", "learning_rate") and isinstance(value, float):
+                assert hp[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+        assert hp["prune/pairs_shared"] == 1.0
+
+
+def _host(rows, tokenizer):
+    """A collated batch's host layout from (prompt, chosen, rejected) strings, right-padded like TRL."""
+    seqs, starts = [], []
+    for side in (1, 2):
+        for row in rows:
+            prompt = tokenizer(row[0])["input_ids"]
+            seqs.append(prompt + tokenizer(row[side])["input_ids"])
+            starts.append(len(prompt))
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention, completion = torch.zeros_like(ids), torch.zeros_like(ids)
+    for r, (seq, start) in enumerate(zip(seqs, starts)):
+        ids[r, : len(seq)] = torch.tensor(seq)
+        attention[r, : len(seq)] = 1
+        completion[r, start : len(seq)] = 1
+    return HostBatch(ids, attention, completion)
+
+
+def test_plan_layout(tokenizer):
+    """Token counts of the packed layout, worked by hand. Pair 0: prompt 4 + responses 'abc'/'abd' (s = 6); pair 1:
+    prompt 4 + identical 'xy' (s = 6, the whole row); pair 2: prompt 2, responses 'a'/'bcdef' (s = 2)."""
+    host = _host([("wxyz", "abc", "abd"), ("wxyz", "xy", "xy"), ("pq", "a", "bcdef")], tokenizer)
+    assert common_tokens(host) == [6, 6, 2]
+    scored = host.completion_mask[:, 1:].bool()
+    group = pack(host, scored, [(p, (p, p + 3)) for p in range(3)], common_tokens(host))
+    # pair 0: 5 shared positions (0..4) + 1 per branch (position 5 predicts the diverging token): 7
+    # pair 1: 5 shared positions, nothing after; pair 2: 1 shared + 1 ('a' row: position 1) + 5 ('bcdef'): 7
+    assert group.tokens == 7 + 5 + 7
+    # every scored cell is routed, nothing else
+    assert torch.equal(group.source >= 0, scored)
+    # first-fit-decreasing into rows of the longest item (7): 7 | 7 | 5 -> three rows
+    assert group.input_ids.shape == (3, 7)
+    # within an item, the rejected branch restarts its position ids where the chosen one did
+    row = group.segment[0]
+    assert group.position_ids[0, row == 1].tolist() == group.position_ids[0, row == 2].tolist()[: int((row == 1).sum())]
+
+
+def test_cost_model_picks_cheaper_execution(tokenizer):
+    """One branch backpropagated: share when the shared part outweighs (grad_cost - 1) x the frozen tail."""
+    assert shared_is_cheaper(shared=90, frozen_tail=10, grad_cost=4.0)
+    assert not shared_is_cheaper(shared=10, frozen_tail=90, grad_cost=4.0)
+    long_prompt = _host([("p" * 60, "abcdefgh", "zyxwvuts")], tokenizer)
+    long_answer = _host([("p", "a" * 60, "b" * 60)], tokenizer)
+    for host, expect_shared in ((long_prompt, True), (long_answer, False)):
+        scored = host.completion_mask[:, 1:].bool()
+        masks = PruneMasks(scored, scored.float(), torch.zeros(2, dtype=torch.long), torch.tensor([True, False]),
+                           torch.tensor([2.0, 0.0]), scored)
+        plan = plan_policy(host, masks, frozen_group=True, grad_cost=4.0, common=common_tokens(host))
+        assert (plan.shared_pairs, plan.split_pairs) == ((1, 0) if expect_shared else (0, 1))
+        grad_rows_routed = (plan.grad.source >= 0).any(dim=1).tolist()
+        assert grad_rows_routed == ([True, True] if expect_shared else [True, False])
+
+
+def test_unsupported_model_falls_back_with_one_warning(tokenizer, dataset, tmp_path):
+    model = tiny_qwen2(tokenizer, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path, model=model,
+                                share_prompt=True)
+    messages = [str(w.message) for w in caught if "share_prompt" in str(w.message)]
+    assert len(messages) == 1 and "sliding_attention" in messages[0]
+    assert trainer._share_backend is None
+    loss, _ = loss_and_grads(trainer, first_batch(trainer))
+    assert torch.isfinite(loss) and "shared_pairs" not in trainer.last_prune_stats
+
+
+def test_moe_router_aux_loss_falls_back_with_one_warning(tokenizer, dataset, tmp_path):
+    """TRL's fused head computes the router aux loss with the attention mask, which a packed row replaces by a 4D one:
+    MoE models with the aux loss on run unshared (exact), with the reason said once."""
+    from tiny import tiny_moe_model
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path,
+                                model=tiny_moe_model(tokenizer), share_prompt=True)
+    messages = [str(w.message) for w in caught if "share_prompt" in str(w.message)]
+    assert len(messages) == 1 and "router auxiliary loss" in messages[0]
+    loss, _ = loss_and_grads(trainer, first_batch(trainer))
+    assert torch.isfinite(loss) and trainer._grad_rows_aux_loss is not None
+
+
+def test_config_rejects_non_bool(tmp_path):
+    with pytest.raises(TypeError, match="share_prompt"):
+        PrunedDPOConfig(output_dir=str(tmp_path), share_prompt="yes", bf16=False)
+
+
+SYNC_METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_one_sync_and_one_checkpointing_toggle_per_micro_step(share, tokenizer, dataset, tmp_path, monkeypatch):
+    """Device-side code (trainer.py, execute.py) converts a tensor to Python at most once per micro-step (the logged
+    counts); the plan (plan.py, masks.py) reads host tensors only. Gradient checkpointing is toggled at most once."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path, share_prompt=share,
+                            branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5)
+    batch = first_batch(trainer)
+    assert isinstance(batch["host_batch"], HostBatch) and batch["host_batch"].input_ids.device.type == "cpu"
+    calls = []
+    for name in SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            import sys
+
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.endswith(("trl_pruned_dpo/trainer.py", "trl_pruned_dpo/execute.py")):
+                calls.append((_name, sys._getframe(1).f_lineno))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    toggles = []
+    disable = trainer.model.gradient_checkpointing_disable
+    monkeypatch.setattr(trainer.model, "gradient_checkpointing_disable", lambda: (toggles.append(1), disable())[1])
+    trainer.model.gradient_checkpointing_enable(trainer.args.gradient_checkpointing_kwargs)  # as Trainer.train does
+    for micro_step in range(3):
+        calls.clear(), toggles.clear()
+        loss_and_grads(trainer, batch)
+        assert len(calls) == 1, calls  # the gathered counts of _log_pruned_metrics; the counter does see it
+        assert len(toggles) == 1
