@@ -21,6 +21,26 @@ TRL_LOSS_TYPES = (
 # response prefix cancels exactly there, so `prune_common_prefix` changes nothing but the cost (docs/method.md).
 PAIR_DIFFERENCE_LOSSES = frozenset({"sigmoid", "hinge", "robust", "exo_pair", "discopop"})
 
+# The keep probabilities the trainer may choose itself (trl_pruned_dpo/auto.py).
+AUTO = "auto"
+AUTO_FIELDS = ("position_keep_prob", "branch_keep_prob")
+
+
+def keep_prob_or_auto(value):
+    """A keep probability as written in Python, YAML or on the command line: a number, or the string "auto".
+
+    Used as the fields' type so that TRL's argument parser converts "0.5" to 0.5 and keeps "auto" (a `float | str`
+    annotation would be reduced to `float` by the parser, rejecting "auto")."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"a keep probability must be a number in (0, 1] or 'auto', got {value!r}") from None
+    return value
+
 
 @dataclass
 class PrunedDPOConfig(DPOConfig):
@@ -59,9 +79,10 @@ class PrunedDPOConfig(DPOConfig):
             micro-step, process rank) only; they never draw from the global RNG.
     """
 
-    position_keep_prob: float = field(
+    position_keep_prob: keep_prob_or_auto = field(
         default=1.0,
-        metadata={"help": "Probability that a response position is scored by the LM head (position pruning), in (0, 1]."},
+        metadata={"help": "Probability that a response position is scored by the LM head (position pruning), in (0, 1], "
+                  "or 'auto' (chosen during training, trl_pruned_dpo/auto.py)."},
     )
     prefix_prune_prob: float = field(
         default=0.0,
@@ -71,9 +92,10 @@ class PrunedDPOConfig(DPOConfig):
         default=0.5,
         metadata={"help": "Shortest kept prefix as a fraction of the response length, in (0, 1]."},
     )
-    branch_keep_prob: float = field(
+    branch_keep_prob: keep_prob_or_auto = field(
         default=1.0,
-        metadata={"help": "Probability that a branch (chosen/rejected) is backpropagated (branch pruning), in (0, 1]."},
+        metadata={"help": "Probability that a branch (chosen/rejected) is backpropagated (branch pruning), in (0, 1], "
+                  "or 'auto' (chosen per pair during training, trl_pruned_dpo/auto.py)."},
     )
     branch_sampling: str = field(
         default="paired",
@@ -103,11 +125,17 @@ class PrunedDPOConfig(DPOConfig):
     def pruning_enabled(self) -> bool:
         """Whether any estimator differs from the exact computation."""
         return (
-            self.position_keep_prob < 1.0
+            self.auto_keep_probs
+            or self.position_keep_prob < 1.0
             or self.prefix_prune_prob > 0.0
             or self.branch_keep_prob < 1.0
             or self.prune_common_prefix
         )
+
+    @property
+    def auto_keep_probs(self) -> bool:
+        """Whether the trainer chooses a keep probability itself (`"auto"`)."""
+        return AUTO in (self.position_keep_prob, self.branch_keep_prob)
 
     def __post_init__(self):
         super().__post_init__()
@@ -118,6 +146,12 @@ class PrunedDPOConfig(DPOConfig):
     def _validate_pruning(self):
         def in_range(name, low, high, low_open):
             value = getattr(self, name)
+            if name in AUTO_FIELDS:
+                if isinstance(value, str):
+                    value = keep_prob_or_auto(value)  # "0.5" from a YAML string; a clear error otherwise
+                    setattr(self, name, value)
+                if value == AUTO:
+                    return
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"`{name}` must be a number, got {value!r}.")
             ok = (low < value if low_open else low <= value) and value <= high
