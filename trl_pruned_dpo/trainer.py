@@ -25,7 +25,8 @@ from datasets import Dataset, IterableDataset, concatenate_datasets
 from torch.utils.data import DataLoader
 
 from ._trl import DPOTrainer, compact_lm_head, disable_gradient_checkpointing, use_adapter
-from .config import PrunedDPOConfig
+from .auto import AutoKeepProbs
+from .config import AUTO, PrunedDPOConfig
 from .estimators import horvitz_thompson, scale_branch_gradient
 from .masks import PruneMasks, draw_masks, executed_columns, mask_generator
 
@@ -101,6 +102,7 @@ class PrunedDPOTrainer(DPOTrainer):
                 )
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
+        self._forced_mask_options = None
         super().__init__(model, ref_model, args, *pargs, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
@@ -108,6 +110,10 @@ class PrunedDPOTrainer(DPOTrainer):
             )
         if args.precompute_ref_log_probs:
             self.data_collator = _PerTokenReferenceCollator(self.data_collator)
+        self._auto_probs = None  # "auto" keep probabilities (auto.py)
+        if args.auto_keep_probs:
+            self._auto_probs = AutoKeepProbs(args, self.accelerator.unwrap_model(self.model).config,
+                                             reference=not args.precompute_ref_log_probs)
 
     # ----------------------------------------------------------------------------------------------------------- data
     def _set_signature_columns_if_needed(self):
@@ -155,10 +161,11 @@ class PrunedDPOTrainer(DPOTrainer):
         self._mask_step = (step, micro)
         return mask_generator(self.args.prune_seed, step, micro, self.accelerator.process_index)
 
-    def _mask_options(self) -> dict:
-        """The config's sampling probabilities, as `masks.draw_masks` takes them."""
+    def _mask_options(self, inputs=None) -> dict:
+        """The sampling probabilities of this micro-batch's draw, as `masks.draw_masks` takes them: the config's, with
+        any "auto" one chosen by `auto.AutoKeepProbs` (per-pair for branches) before the draw it weights."""
         args = self.args
-        return dict(
+        options = dict(
             position_keep_prob=args.position_keep_prob,
             prefix_prune_prob=args.prefix_prune_prob,
             prefix_min_ratio=args.prefix_min_ratio,
@@ -166,10 +173,24 @@ class PrunedDPOTrainer(DPOTrainer):
             branch_sampling=args.branch_sampling,
             drop_common_prefix=args.prune_common_prefix,
         )
+        if self._auto_probs is not None and inputs is not None:
+            step, micro = self._mask_step
+            measure_generator = mask_generator(self.args.prune_seed, step, -1 - micro, self.accelerator.process_index)
+            options = self._auto_probs.options(self, self.accelerator.unwrap_model(self.model), inputs, options, step,
+                                               micro, measure_generator)
+        return options
+
+    def _prunes_branches(self) -> bool:
+        """Whether branch pruning can drop rows (a structural choice, the same on every process)."""
+        return self.args.branch_keep_prob == AUTO or self.args.branch_keep_prob < 1
 
     def _draw_masks(self, inputs) -> PruneMasks:
+        forced = getattr(self, "_forced_mask_options", None)
+        if forced is not None:  # auto.py's measurements: their own options and generator, no step bookkeeping
+            return draw_masks(inputs["input_ids"], inputs["completion_mask"], **forced)
         generator = self._next_mask_generator()
-        return draw_masks(inputs["input_ids"], inputs["completion_mask"], **self._mask_options(), generator=generator)
+        return draw_masks(inputs["input_ids"], inputs["completion_mask"], **self._mask_options(inputs),
+                          generator=generator)
 
     def _forward_rows(self, model, inputs, rows: torch.Tensor, scored: torch.Tensor, executed: torch.Tensor):
         """Run `rows` of the batch, trimmed to the longest executed row, scoring the `scored` positions only.
@@ -249,7 +270,7 @@ class PrunedDPOTrainer(DPOTrainer):
                      for f in fields}
         connect = None
         groups = [(grad_rows, True)]
-        if self.args.branch_keep_prob < 1:  # a structural choice, the same on every process
+        if self._prunes_branches():  # a structural choice, the same on every process
             groups.append((frozen_rows, False))
         for rows, with_grad in groups:
             context = contextlib.nullcontext() if with_grad else torch.no_grad()
@@ -280,7 +301,7 @@ class PrunedDPOTrainer(DPOTrainer):
             if f != "is_top1":
                 per_token[f] = horvitz_thompson(per_token[f], weights)
         per_token["is_top1"] &= masks.scored
-        if self.args.branch_keep_prob < 1:
+        if self._prunes_branches():
             per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], masks.branch_scale.to(device))
         if connect is not None:
             per_token["log_probs"] = per_token["log_probs"] + connect
