@@ -133,7 +133,7 @@ def dissimilar_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
     the demo tokenizer is char-level, so the starting policy sees exactly what it was trained on), so the two answers
     start at their first number. chosen is the right answer; rejected is a plausible wrong answer that differs from
     the first response token on at most positions: count, the same number of numbers counted from another start
-    (shifted by 1 to 9, with a different first digit where one exists); sort, the same items sorted descending.
+    (shifted by 10 to 30 where the range allows, with a different first digit where one exists); sort, the same items sorted descending.
     (Like UltraFeedback-style pairs, nothing aligns the two answers, so a common prefix is rare and short.)
     """
     rng = random.Random(f"trl-pruned-dpo/quality/dissimilar/{seed}")
@@ -142,7 +142,8 @@ def dissimilar_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
         answer = row["chosen"].split()
         if task_of(row["prompt"]) == "count":
             start, size = int(answer[0]), len(answer)
-            starts = [start + d for d in range(-9, 10) if d and 0 <= start + d <= 100 - size]
+            starts = [start + d for d in range(-30, 31) if abs(d) >= 10 and 0 <= start + d <= 100 - size]
+            starts = starts or [s for s in range(0, 100 - size + 1) if s != start]
             differ = [s for s in starts if str(s)[0] != answer[0][0]]
             wrong_start = rng.choice(differ or starts)
             wrong = [str(n) for n in range(wrong_start, wrong_start + size)]

@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MEASURE_EVERY = 100  # optimizer steps between measurements (the first is at step 0)
+MEASURE_EVERY = 200  # optimizer steps between measurements (the first is at step 0)
 MEASURE_PAIRS = 16  # pairs of the current batch a measurement uses (split in two halves for B_simple)
 NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
 MIN_GAIN = 0.05  # prune only when (A1) predicts at least this saving: the measurements are noisy
@@ -37,12 +37,16 @@ EMA = 0.5  # weight of a new measurement in the running estimates
 
 
 def pair_overlap(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """(pairs,) fraction of the longer response's positions where chosen and rejected hold the same token in the same
-    column (responses start at the same column in TRL's padded batch). Near-copies ~1, independent answers ~0."""
+    """(pairs,) fraction of the longer response's positions where chosen and rejected hold the same token after the
+    same token, in the same column (responses start at the same column in TRL's padded batch). Near-copies ~1; two
+    independent answers ~0, even where separators happen to line up (the preceding token then differs)."""
     response = completion_mask[:, 1:].bool()
-    ids_w, ids_l = input_ids[:, 1:].chunk(2)
+    ids = input_ids[:, 1:]
+    previous = input_ids[:, :-1]
+    ids_w, ids_l = ids.chunk(2)
+    prev_w, prev_l = previous.chunk(2)
     resp_w, resp_l = response.chunk(2)
-    same = ((ids_w == ids_l) & resp_w & resp_l).sum(dim=1).double()
+    same = ((ids_w == ids_l) & (prev_w == prev_l) & resp_w & resp_l).sum(dim=1).double()
     longer = torch.maximum(resp_w.sum(dim=1), resp_l.sum(dim=1)).clamp(min=1).double()
     return (same / longer).cpu()
 
