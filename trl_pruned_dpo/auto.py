@@ -1,6 +1,6 @@
 """`auto` keep probabilities: the trainer picks `branch_keep_prob` / `position_keep_prob` itself.
 
-The rule (docs/method.md, "auto"): minimise the expected wall-clock to a given loss,
+The rule: minimise the expected wall-clock to a given loss,
 
     T(p) ∝ c(p) * (1 + B_simple * (1 + r(p)) / B)                                            (A1)
 
