@@ -202,9 +202,11 @@ class AutoKeepProbs:
     # ------------------------------------------------------------------------------------------------ measurement
     def _gradient(self, trainer, model, inputs, options: dict) -> torch.Tensor:
         params = [p for p in model.parameters() if p.requires_grad]
+        from .trainer import PrunedDPOTrainer  # the package's own loss: subclasses' bookkeeping sees no extra step
+
         trainer._forced_mask_options = options
         try:
-            loss = trainer.compute_loss(model, inputs)
+            loss = PrunedDPOTrainer.compute_loss(trainer, model, inputs)
         finally:
             trainer._forced_mask_options = None
         grads = torch.autograd.grad(loss, params, allow_unused=True)
