@@ -10,7 +10,7 @@ export PYTHONPATH=. TRL_PRUNED_DPO_CACHE="${TRL_PRUNED_DPO_CACHE:-$PWD/runs/cach
 export CUDA_VISIBLE_DEVICES=""  # a 2-layer model: one CPU thread per run beats a shared GPU here
 OUT="${OUT:-out}"
 JOBS="${JOBS:-14}"
-LIMIT="${LIMIT:-330}"  # seconds for the training stage; the gradients stage and the report follow
+LIMIT="${LIMIT:-300}"  # seconds for the training and gradients stages (side by side); the report follows
 if ! ls "$TRL_PRUNED_DPO_CACHE"/quality/sft-tiny-demo-*/model.safetensors >/dev/null 2>&1; then
   echo "no starting policy under $TRL_PRUNED_DPO_CACHE/quality: carry runs/cache (training it here takes minutes)" >&2
   exit 2
@@ -20,8 +20,14 @@ if [ -d runs/regimes ]; then cp -r runs/regimes/. "$OUT/regimes/"; fi
 python - <<'PY'
 import torch, trl, transformers; print("torch", torch.__version__, "trl", trl.__version__, "transformers", transformers.__version__)
 PY
+# The noise diagnostics (one process per regime) beside the training runs (JOBS processes): 16 cores in all.
+for regime in near dissimilar; do
+  timeout "$LIMIT" python -m evaluation.regimes --stage gradients --regimes "$regime" --out "$OUT/regimes" \
+    > "$OUT/gradients-$regime.log" 2>&1 &
+done
 # Seeds outermost, so whatever finishes is complete seeds; every (regime, batch, setting) of seed 0 first.
 timeout "$LIMIT" python -m evaluation.regimes --stage train --jobs "$JOBS" --out "$OUT/regimes" "$@" || true
-timeout 60 python -m evaluation.regimes --stage gradients --out "$OUT/regimes" || true
+wait || true
+tail -n 3 "$OUT"/gradients-*.log || true
 python -m evaluation.regimes --stage report --out "$OUT/regimes" || true
-ls "$OUT/regimes"/*/runs | head -100
+find "$OUT/regimes" -name '*.json' | wc -l
