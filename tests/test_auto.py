@@ -106,7 +106,7 @@ def test_config_accepts_auto(tmp_path):
     args = PrunedDPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False,
                            branch_keep_prob="auto", position_keep_prob="0.5")
     assert args.branch_keep_prob == "auto" and args.position_keep_prob == 0.5 and args.pruning_enabled
-    with pytest.raises(ValueError, match="or 'auto'"):
+    with pytest.raises(TypeError, match="branch_keep_prob.*or 'auto'"):
         PrunedDPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, branch_keep_prob="fast")
     from trl import TrlParser
 

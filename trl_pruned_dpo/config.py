@@ -148,7 +148,10 @@ class PrunedDPOConfig(DPOConfig):
             value = getattr(self, name)
             if name in AUTO_FIELDS:
                 if isinstance(value, str):
-                    value = keep_prob_or_auto(value)  # "0.5" from a YAML string; a clear error otherwise
+                    try:
+                        value = keep_prob_or_auto(value)  # "0.5" from a YAML string
+                    except ValueError:
+                        raise TypeError(f"`{name}` must be a number in (0, 1] or 'auto', got {value!r}.") from None
                     setattr(self, name, value)
                 if value == AUTO:
                     return
