@@ -51,7 +51,7 @@ class PrunedDPOConfig(DPOConfig):
     Parameters:
         position_keep_prob (`float`, *optional*, defaults to `1.0`):
             Probability that a response position is scored by the LM head (position pruning). Kept positions are
-            reweighted by `1 / position_keep_prob`. In (0, 1].
+            reweighted by `1 / position_keep_prob`. In (0, 1], or `"auto"` (see `branch_keep_prob`).
         prefix_prune_prob (`float`, *optional*, defaults to `0.0`):
             Probability that a response is cut to a random prefix (prefix pruning). In [0, 1].
         prefix_min_ratio (`float`, *optional*, defaults to `0.5`):
@@ -59,7 +59,10 @@ class PrunedDPOConfig(DPOConfig):
             [ceil(prefix_min_ratio * L), L]. In (0, 1].
         branch_keep_prob (`float`, *optional*, defaults to `1.0`):
             Probability that a branch (chosen or rejected) is backpropagated (branch pruning). The others run under
-            `torch.no_grad()`. In (0, 1].
+            `torch.no_grad()`. In (0, 1], or `"auto"`: the trainer measures the gradient noise scale and each
+            family's extra noise on a few pairs at step 0 and every 200 steps, and picks the probabilities that
+            minimise the expected time to a given loss (trl_pruned_dpo/auto.py); near-copy pairs always keep both
+            branches. Its choice is logged as `prune/branch_keep_prob` and `prune/position_keep_prob`.
         branch_sampling (`str`, *optional*, defaults to `"paired"`):
             `"paired"`: the two branches of a pair are drawn together (at 0.5, exactly one per pair; fixed cost).
             `"independent"`: each branch is drawn on its own (the cost varies per step). On near-copy pairs
