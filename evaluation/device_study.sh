@@ -6,7 +6,7 @@
 #   python -m evaluation.regimes --stage report --docs docs
 # Runs that are not finished when the time limit hits are simply missing (each run is its own file); a rerun resumes.
 set -euo pipefail
-export PYTHONPATH=. TRL_PRUNED_DPO_CACHE="${TRL_PRUNED_DPO_CACHE:-$PWD/runs/cache}" OMP_NUM_THREADS=1
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" TRL_PRUNED_DPO_CACHE="${TRL_PRUNED_DPO_CACHE:-$PWD/runs/cache}" OMP_NUM_THREADS=1
 export CUDA_VISIBLE_DEVICES=""  # a 2-layer model: one CPU thread per run beats a shared GPU here
 OUT="${OUT:-out}"
 JOBS="${JOBS:-14}"
