@@ -43,6 +43,23 @@ def _time_at(run, step):
     return interp(xs, ts, step)
 
 
+def _measure_cost(run) -> float:
+    """auto's measurement work in token units (all of it at step 0 in these short runs); older records kept only
+    its seconds, converted at the run's own cost per second."""
+    if "auto_measure_cost" in run:
+        return run["auto_measure_cost"]
+    if run.get("auto_measure_seconds"):
+        return run["auto_measure_seconds"] / run["train_time"] * run["cost_units"]
+    return 0.0
+
+
+def _cost_at(run, step):
+    """Work done by `step` in token units (forward 1 per executed token, backward 2, reference forward 1; train.py),
+    auto's measurements included: the hardware-free clock of the equal-time reading."""
+    xs, cs = curve(run, "cost")
+    return interp([0] + xs, [0] + cs, step) + _measure_cost(run)
+
+
 def _fmt(pair, signed=False, pct=True):
     mean, half = pair
     if mean is None or math.isnan(mean):
@@ -62,24 +79,26 @@ def cell_summary(study, regime, batch, settings):
     out = {"steps": n, "seeds": sorted(stock), "rows": {}}
     stock_level = {s: _level(r, n, width) for s, r in stock.items()}
     stock_time = {s: _time_at(r, n) for s, r in stock.items()}
+    stock_cost = {s: _cost_at(r, n) for s, r in stock.items()}
     for name in settings:
         runs = stock if name == "stock" else _runs(study, regime, batch, name)
         seeds = sorted(set(runs) & set(stock))
         if not seeds:
             continue
-        ratio = statistics.median(_time_at(runs[s], n) / stock_time[s] for s in seeds)
+        ratio = statistics.median(_cost_at(runs[s], n) / stock_cost[s] for s in seeds)
+        measured = statistics.median(_time_at(runs[s], n) / stock_time[s] for s in seeds)
         max_steps = min(runs[s]["max_steps"] for s in seeds)
         target = n / ratio
         lower = target > max_steps
         at_n = [_level(runs[s], n, width) for s in seeds]
         at_t = [_level(runs[s], min(target, max_steps), width) for s in seeds]
         row = {
-            "seeds": len(seeds), "ratio": ratio, "lower_bound": lower,
+            "seeds": len(seeds), "ratio": ratio, "measured_ratio": measured, "lower_bound": lower,
             "acc_n": mean_ci(at_n), "d_n": mean_ci([a - stock_level[s] for a, s in zip(at_n, seeds)]),
             "acc_t": mean_ci(at_t), "d_t": mean_ci([a - stock_level[s] for a, s in zip(at_t, seeds)]),
         }
         if name != "stock":
-            row["reach"] = _time_to_reach(runs, stock_level, stock_time, seeds, n)
+            row["reach"] = _time_to_reach(runs, stock_level, stock_cost, seeds, n)
         autos = [runs[s].get("auto") for s in seeds if runs[s].get("auto")]
         if autos:
             first = [a[0] for a in autos]
@@ -92,26 +111,25 @@ def cell_summary(study, regime, batch, settings):
                 "r_branch": statistics.median(f["r_branch"] for f in first),
                 "r_position": statistics.median(f["r_position"] for f in first),
                 "near": statistics.median(f["near_copy_fraction"] for f in first),
-                "overhead": statistics.median(runs[s]["auto_measure_seconds"] / runs[s]["train_time"]
-                                              for s in seeds if runs[s].get("auto")),
+                "overhead": statistics.median(_measure_cost(runs[s]) / _cost_at(runs[s], n) for s in seeds
+                                              if runs[s].get("auto")),
             }
         out["rows"][name] = row
     return out
 
 
-def _time_to_reach(runs, stock_level, stock_time, seeds, n):
-    """Median over seeds of (time at which the setting's curve first reaches stock's level at N) / stock's time for
-    N; None-safe: a seed that never reaches it counts as its whole run's time (a lower bound, flagged)."""
+def _time_to_reach(runs, stock_level, stock_cost, seeds, n):
+    """Median over seeds of (work by which the setting's held-out accuracy first reaches stock's level at N) / stock's
+    work for N steps; a seed that never reaches it counts its whole run (a lower bound, counted as "never")."""
     shares, never = [], 0
     for s in seeds:
         run = runs[s]
         xs, ys = curve(run, "pref_acc")
-        _, ts = curve(run, "time")
-        hit = next((t for t, y in zip(ts, ys) if y >= stock_level[s]), None)
+        hit = next((x for x, y in zip(xs, ys) if y >= stock_level[s]), None)
         if hit is None:
             never += 1
-            hit = ts[-1]
-        shares.append(hit / stock_time[s])
+            hit = xs[-1]
+        shares.append(_cost_at(run, hit) / stock_cost[s])
     return statistics.median(shares), never
 
 
@@ -157,8 +175,8 @@ def render(study, regimes, batches, settings) -> str:
             continue
         cells = [f"{g[n]:.2f}" if n in g else "—" for n in settings if n != "stock"]
         lines.append(f"| {regime} | {g['b_simple']:.1f} | " + " | ".join(cells) + " |")
-    lines += ["", "| regime | B | setting | seeds | step time (x stock) | Δ @N | Δ @ equal time | model: steps x | "
-              "time to stock's acc @N (x stock) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| regime | B | setting | seeds | work per step (x stock) [measured s] | Δ @N | Δ @ equal work | "
+              "model: steps x | work to stock's acc @N (x stock) |", "|---|---|---|---|---|---|---|---|---|"]
     auto_lines = []
     for regime in regimes:
         g = diag[regime] or {}
@@ -178,7 +196,7 @@ def render(study, regimes, batches, settings) -> str:
                 reach, never = row["reach"]
                 reach_text = f"{reach:.2f}" + (f" ({never} never)" if never else "")
                 lines.append(
-                    f"| {regime} | {batch} | {ALL[name].label} | {row['seeds']} | {row['ratio']:.2f} | "
+                    f"| {regime} | {batch} | {ALL[name].label} | {row['seeds']} | {row['ratio']:.2f} [{row['measured_ratio']:.2f}] | "
                     f"{_fmt(row['d_n'], signed=True)} | {_fmt(row['d_t'], signed=True)}"
                     f"{' (≥)' if row['lower_bound'] else ''} | {'—' if factor is None else f'{factor:.2f}'} | "
                     f"{reach_text} |")
@@ -190,15 +208,17 @@ def render(study, regimes, batches, settings) -> str:
                         f"{a['b_simple']:.1f} | {a['r_branch']:.2f} | {a['r_position']:.2f} | "
                         f"{a['overhead']:.1%} |")
     lines += ["", "*model: steps x* is the critical-batch prediction of the steps to a given loss relative to stock, "
-              "(1 + B_simple (1 + r) / B) / (1 + B_simple / B), from the noise table; a setting pays at equal time when "
-              "its step time times this factor is below 1.", ""]
+              "(1 + B_simple (1 + r) / B) / (1 + B_simple / B), from the noise table; a setting pays at equal work when "
+              "its work per step times this factor is below 1.", ""]
     if auto_lines:
         lines += ["What `auto` chose (median over seeds of its first choice; in brackets every value it chose in any "
                   "seed and measurement), for the pairs that are not near-copies (near-copies always keep both "
-                  "branches), from what it measured, and the time its measurements took as a share of training time:",
-                  "", "| regime | B | branch keep | position keep | near-copy pairs | B_simple (measured) | r branch "
-                  "@0.5 | r position @0.5 | measurement time |", "|---|---|---|---|---|---|---|---|---|", *auto_lines,
-                  ""]
+                  "branches), from what it measured, and the work its measurements took as a share of the run's work "
+                  "to N (one measurement, at step 0: a run this short pays it in full; a long run pays it once per "
+                  "MEASURE_EVERY = 200 steps):", "",
+                  "| regime | B | branch keep | position keep | near-copy pairs | B_simple (measured) | r branch @0.5 "
+                  "| r position @0.5 | measurement work (share of run to N) |", "|---|---|---|---|---|---|---|---|---|",
+                  *auto_lines, ""]
     lines.append(END)
     return "\n".join(lines) + "\n"
 

@@ -192,4 +192,5 @@ def _auto_record(trainer) -> dict:
     auto = getattr(trainer, "_auto_probs", None)
     if auto is None:
         return {}
-    return {"auto": auto.history, "auto_measure_seconds": auto.measure_seconds}
+    return {"auto": auto.history, "auto_measure_seconds": auto.measure_seconds,
+            "auto_measure_cost": auto.measure_tokens}

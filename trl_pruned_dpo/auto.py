@@ -196,6 +196,7 @@ class AutoKeepProbs:
         self.noise = NoiseEstimates()
         self.choice = Choice(1.0, 1.0, 1.0, "before the first measurement: keep everything")
         self.measure_seconds = 0.0
+        self.measure_tokens = 0  # work of the measurements in the trainer's token units (forward 1, backward 2)
         self.history: list[dict] = []
         self._measured_step = -1
 
@@ -209,6 +210,9 @@ class AutoKeepProbs:
             loss = PrunedDPOTrainer.compute_loss(trainer, model, inputs)
         finally:
             trainer._forced_mask_options = None
+        stats = trainer.last_prune_stats
+        self.measure_tokens += stats.get("policy_tokens_executed", 0) + 2 * stats.get("grad_tokens_executed", 0) \
+            + stats.get("reference_tokens_executed", 0)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in
                           zip(grads, params)])
@@ -288,7 +292,7 @@ class AutoKeepProbs:
         record = {"step": step, "b_simple": b_simple, "r_branch": r_branch, "r_position": r_position,
                   "near_copy_fraction": near, "branch_keep_prob": self.choice.branch_keep_prob,
                   "position_keep_prob": self.choice.position_keep_prob, "time_ratio": self.choice.time_ratio,
-                  "measure_seconds": self.measure_seconds}
+                  "measure_seconds": self.measure_seconds, "measure_tokens": self.measure_tokens}
         self.history.append(record)
         logger.info(f"auto keep probabilities at step {step}: branch {self.choice.branch_keep_prob} (near-copies 1.0), "
                     f"position {self.choice.position_keep_prob}. Why: {self.choice.reason}.")
