@@ -21,6 +21,7 @@ from .report import curve, interp, mean_ci, window
 from .settings import SETTINGS as ALL
 
 START, END = "<!-- regimes:start -->", "<!-- regimes:end -->"
+FINDINGS = Path(__file__).with_name("regimes_findings.md")  # written by hand from a run; included as is
 
 
 def _runs(study, regime, batch, setting):
@@ -219,6 +220,8 @@ def render(study, regimes, batches, settings) -> str:
                   "| regime | B | branch keep | position keep | near-copy pairs | B_simple (measured) | r branch @0.5 "
                   "| r position @0.5 | measurement work (share of run to N) |", "|---|---|---|---|---|---|---|---|---|",
                   *auto_lines, ""]
+    if FINDINGS.is_file():
+        lines += [FINDINGS.read_text().rstrip("\n"), ""]
     lines.append(END)
     return "\n".join(lines) + "\n"
 
