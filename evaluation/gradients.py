@@ -96,7 +96,8 @@ def diagnose(settings: list[Setting], policy_dir: str, reference_dir: str, rows,
         sgd_noise = sum(float((g - pool).pow(2).sum()) for g in full) / max(n - 1, 1)  # unbiased over batches
         exact, batches = exact[:batches], all_batches[:batches]
         results = {"_meta": {"batches": len(batches), "sgd_batches": n, "batch_size": cfg.batch_size, "draws": draws,
-                             "sgd_noise": sgd_noise, "grad_norm": statistics.mean(float(g.norm()) for g in full)}}
+                             "sgd_noise": sgd_noise, "grad_norm": statistics.mean(float(g.norm()) for g in full),
+                             "pooled_norm2": float(pool.pow(2).sum())}}
         for setting in settings:
             started = time.perf_counter()
             trainer = _trainer(setting, model, ref_model, tokenizer, train_ds, cfg, output_dir)

@@ -63,6 +63,9 @@ _ALL = [
             {**BRANCH, **POSITION, **PREFIX, **CP}, mask_law=PAIR),
     Setting("posprefix_cp_shared", "position + prefix 0.5 + common prefix, masks per pair",
             {**POSITION, **PREFIX, **CP}, mask_law=PAIR),
+    # The regimes study (evaluation/regimes.py): `auto` chooses the branch and position probabilities itself.
+    Setting("auto_cp", "auto branch + position, prefix 0.5 + common prefix",
+            {"branch_keep_prob": "auto", "position_keep_prob": "auto", **PREFIX, **CP}),
     # Diagnostics-only grid.
     Setting("branch_ind", "branch 0.5 independent", {**BRANCH, "branch_sampling": "independent"}),
     Setting("branch_bal", "branch 0.5, balanced", BRANCH, balanced=True),
@@ -111,7 +114,7 @@ DIAGNOSED = [  # by family, the way a user picks: exact, branch, position, prefi
     "combined_cp_rows", "combined_cp", "combined_cp_shared", "combined_cp_shared_bal", "posprefix_cp",
     "posprefix_cp_shared",
 ]
-assert set(DIAGNOSED) == {s.name for s in _ALL if s.name not in ("stock", "pruned_off") and not s.anneal}
+assert set(DIAGNOSED) == {s.name for s in _ALL if s.name not in ("stock", "pruned_off", "auto_cp") and not s.anneal}
 # Diagnosed on far pairs too (tasks.far_pairs), to show where the near-copy noise comes from.
 FAR_DIAGNOSED = ["branch", "branch_ind", "branch_cp", "branch_ind_cp", "position_rows", "position_cp_rows",
                  "position_cp", "prefix_rows", "prefix", "prefix_cp_shared", "combined_cp", "posprefix_cp_shared"]

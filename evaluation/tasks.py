@@ -126,8 +126,40 @@ def far_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
     return out
 
 
+def dissimilar_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
+    """The dissimilar-pairs regime: two different answers of different quality, not a planted mistake.
+
+    The separator space moves from the answers into the prompt (the character sequence of every row is unchanged:
+    the demo tokenizer is char-level, so the starting policy sees exactly what it was trained on), so the two answers
+    start at their first number. chosen is the right answer; rejected is a plausible wrong answer that differs from
+    the first response token on at most positions: count, the same number of numbers counted from another start
+    (shifted by 10 to 30 where the range allows, with a different first digit where one exists); sort, the same items sorted descending.
+    (Like UltraFeedback-style pairs, nothing aligns the two answers, so a common prefix is rare and short.)
+    """
+    rng = random.Random(f"trl-pruned-dpo/quality/dissimilar/{seed}")
+    out = []
+    for row in rows:
+        answer = row["chosen"].split()
+        if task_of(row["prompt"]) == "count":
+            start, size = int(answer[0]), len(answer)
+            starts = [start + d for d in range(-30, 31) if abs(d) >= 10 and 0 <= start + d <= 100 - size]
+            starts = starts or [s for s in range(0, 100 - size + 1) if s != start]
+            differ = [s for s in starts if str(s)[0] != answer[0][0]]
+            wrong_start = rng.choice(differ or starts)
+            wrong = [str(n) for n in range(wrong_start, wrong_start + size)]
+        else:
+            wrong = [str(v) for v in sorted(map(int, answer), reverse=True)]
+            if wrong == answer:  # one item, or all equal: a neighbouring number instead
+                wrong = [str(int(v) + 1 if int(v) < 99 else int(v) - 1) for v in answer]
+        out.append({"prompt": row["prompt"] + " ", "chosen": " ".join(answer), "rejected": " ".join(wrong)})
+    return out
+
+
+REGIMES = {"near": lambda rows: rows, "dissimilar": dissimilar_pairs}
+
+
 def as_dataset(rows) -> Dataset:
     return Dataset.from_list(rows)
 
 
-__all__ = ["STUDY_SIZES", "QUICK_SIZES", "as_dataset", "is_correct", "make_study_splits", "solve", "task_of"]
+__all__ = ["REGIMES", "STUDY_SIZES", "QUICK_SIZES", "as_dataset", "dissimilar_pairs", "is_correct", "make_study_splits", "solve", "task_of"]

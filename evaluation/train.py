@@ -41,6 +41,7 @@ class RunConfig:
     eval_every: int = 20
     gen_every: int = 40
     eval_batch_size: int = 32
+    generate: bool = True  # greedy-generation accuracy at gen steps (the regimes study leaves it out: cost)
 
     def max_steps(self, setting: Setting) -> int:
         # Stock too: its curve past N is the curve of the exact-but-faster baselines (common prefix only).
@@ -145,7 +146,8 @@ def run(setting: Setting, seed: int, policy_dir: str, train_ds, eval_ds, gen_row
     `save_dir`, the final policy is saved there too (the gradient diagnostics' "trained" state)."""
     max_steps = cfg.max_steps(setting)
     eval_steps = sorted({*range(cfg.eval_every, max_steps + 1, cfg.eval_every), cfg.steps, max_steps})
-    gen_steps = sorted({*range(cfg.gen_every, max_steps + 1, cfg.gen_every), cfg.steps, max_steps})
+    gen_steps = sorted({*range(cfg.gen_every, max_steps + 1, cfg.gen_every), cfg.steps, max_steps}) if cfg.generate \
+        else []
     with tempfile.TemporaryDirectory(prefix="quality_") as output_dir:
         trainer, tokenizer = build_trainer(setting, policy_dir, train_ds, eval_ds, seed, cfg, max_steps, output_dir)
         box = [trainer]
@@ -162,7 +164,8 @@ def run(setting: Setting, seed: int, policy_dir: str, train_ds, eval_ds, gen_row
             tokenizer.save_pretrained(save_dir)
     history = trainer.state.log_history
     keys = ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "prune/positions_scored",
-            "prune/tokens_executed", "prune/tokens_backpropagated", "prune/branches_backpropagated")
+            "prune/tokens_executed", "prune/tokens_backpropagated", "prune/branches_backpropagated",
+            "prune/branch_keep_prob", "prune/position_keep_prob", "prune/auto_b_simple")
     train_log = [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history if "loss" in h]
     norms = [h["grad_norm"] for h in train_log if "grad_norm" in h]
     return {
@@ -180,4 +183,14 @@ def run(setting: Setting, seed: int, policy_dir: str, train_ds, eval_ds, gen_row
         "data_digest": hashlib.sha256("".join(trainer.batch_hashes[: cfg.steps]).encode()).hexdigest()[:16],
         "threads": torch.get_num_threads(),
         "package_digest": package_digest(),
+        **_auto_record(trainer),
     }
+
+
+def _auto_record(trainer) -> dict:
+    """What `auto` measured and chose (trl_pruned_dpo/auto.py), and the time its measurements took."""
+    auto = getattr(trainer, "_auto_probs", None)
+    if auto is None:
+        return {}
+    return {"auto": auto.history, "auto_measure_seconds": auto.measure_seconds,
+            "auto_measure_cost": auto.measure_tokens}

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+from .regimes_report import END as REGIMES_END, START as REGIMES_START
 from .report import fmt, mean_ci, plot_curves, plot_gradients, summarize
 from .settings import EXACT_BASELINES, SETTINGS
 from .tasks import STUDY_SIZES, QUICK_SIZES
@@ -270,7 +271,12 @@ def write(study):
       "unchanged); the starting policy under `$TRL_PRUNED_DPO_CACHE/quality/` (default `~/.cache/trl_pruned_dpo`).\n")
 
     docs.mkdir(parents=True, exist_ok=True)
-    (docs / "quality.md").write_text("\n".join(lines))
+    text = "\n".join(lines)
+    previous = (docs / "quality.md").read_text() if (docs / "quality.md").is_file() else ""
+    if REGIMES_START in previous and REGIMES_END in previous:  # the regimes study's section (regimes_report.py) stays
+        section = previous[previous.index(REGIMES_START) : previous.index(REGIMES_END) + len(REGIMES_END)]
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    (docs / "quality.md").write_text(text)
     (out / "summary.json").write_text(json.dumps(
         {n: {k: v for k, v in row.items()} for n, row in summary.items()}, indent=1, default=str))
     print(f"wrote {docs / 'quality.md'} and {len(files)} plots under {img}")

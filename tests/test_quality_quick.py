@@ -95,3 +95,25 @@ def test_pair_shared_masks_keep_the_trainer_marginals():
     assert together
     assert torch.allclose(mean[response], torch.ones_like(mean[response]), atol=0.12)
     assert float(mean[~response].abs().max()) == 0.0
+
+
+def test_regimes_quick_smoke(tmp_path):
+    """The regimes study (evaluation/regimes.py) at tiny sizes: runs, noise diagnostics and the report section."""
+    out = tmp_path / "regimes"
+    env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run(
+        [sys.executable, "-m", "evaluation.regimes", "--quick", "--pairs", "16", "--seeds", "0", "--batches", "8",
+         "--regimes", "dissimilar", "--settings", "stock", "auto_cp", "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = {p.stem: json.loads(p.read_text()) for p in (out / "dissimilar-b8" / "runs").glob("*.json")}
+    assert set(runs) == {"stock-s0", "auto_cp-s0"}
+    assert runs["stock-s0"]["data_digest"] == runs["auto_cp-s0"]["data_digest"]
+    choice = runs["auto_cp-s0"]["auto"][0]  # what auto measured and chose at step 0
+    assert 0 < choice["branch_keep_prob"] <= 1 and 0 < choice["position_keep_prob"] <= 1
+    diag = json.loads((out / "gradients-dissimilar.json").read_text())["diagnostics"]
+    assert diag["_meta"]["pooled_norm2"] > 0 and "auto_cp" in diag
+    report = (out / "regimes.md").read_text()
+    assert report.startswith("<!-- regimes:start -->") and "| dissimilar | 8 |" in report

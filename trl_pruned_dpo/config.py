@@ -21,6 +21,26 @@ TRL_LOSS_TYPES = (
 # response prefix cancels exactly there, so `prune_common_prefix` changes nothing but the cost (docs/method.md).
 PAIR_DIFFERENCE_LOSSES = frozenset({"sigmoid", "hinge", "robust", "exo_pair", "discopop"})
 
+# The keep probabilities the trainer may choose itself (trl_pruned_dpo/auto.py).
+AUTO = "auto"
+AUTO_FIELDS = ("position_keep_prob", "branch_keep_prob")
+
+
+def keep_prob_or_auto(value):
+    """A keep probability as written in Python, YAML or on the command line: a number, or the string "auto".
+
+    Used as the fields' type so that TRL's argument parser converts "0.5" to 0.5 and keeps "auto" (a `float | str`
+    annotation would be reduced to `float` by the parser, rejecting "auto")."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"a keep probability must be a number in (0, 1] or 'auto', got {value!r}") from None
+    return value
+
 
 @dataclass
 class PrunedDPOConfig(DPOConfig):
@@ -35,7 +55,7 @@ class PrunedDPOConfig(DPOConfig):
     Parameters:
         position_keep_prob (`float`, *optional*, defaults to `1.0`):
             Probability that a response position is scored by the LM head (position pruning). Kept positions are
-            reweighted by `1 / position_keep_prob`. In (0, 1].
+            reweighted by `1 / position_keep_prob`. In (0, 1], or `"auto"` (see `branch_keep_prob`).
         prefix_prune_prob (`float`, *optional*, defaults to `0.0`):
             Probability that a response is cut to a random prefix (prefix pruning). In [0, 1].
         prefix_min_ratio (`float`, *optional*, defaults to `0.5`):
@@ -43,7 +63,10 @@ class PrunedDPOConfig(DPOConfig):
             [ceil(prefix_min_ratio * L), L]. In (0, 1].
         branch_keep_prob (`float`, *optional*, defaults to `1.0`):
             Probability that a branch (chosen or rejected) is backpropagated (branch pruning). The others run under
-            `torch.no_grad()`. In (0, 1].
+            `torch.no_grad()`. In (0, 1], or `"auto"`: the trainer measures the gradient noise scale and each
+            family's extra noise on a few pairs at step 0 and every 200 steps, and picks the probabilities that
+            minimise the expected time to a given loss (trl_pruned_dpo/auto.py); near-copy pairs always keep both
+            branches. Its choice is logged as `prune/branch_keep_prob` and `prune/position_keep_prob`.
         branch_sampling (`str`, *optional*, defaults to `"paired"`):
             `"paired"`: the two branches of a pair are drawn together (at 0.5, exactly one per pair; fixed cost).
             `"independent"`: each branch is drawn on its own (the cost varies per step). On near-copy pairs
@@ -74,9 +97,10 @@ class PrunedDPOConfig(DPOConfig):
             step, naming the last complete checkpoint (trl_pruned_dpo/guards.py).
     """
 
-    position_keep_prob: float = field(
+    position_keep_prob: keep_prob_or_auto = field(
         default=1.0,
-        metadata={"help": "Probability that a response position is scored by the LM head (position pruning), in (0, 1]."},
+        metadata={"help": "Probability that a response position is scored by the LM head (position pruning), in (0, 1], "
+                  "or 'auto' (chosen during training, trl_pruned_dpo/auto.py)."},
     )
     prefix_prune_prob: float = field(
         default=0.0,
@@ -86,9 +110,10 @@ class PrunedDPOConfig(DPOConfig):
         default=0.5,
         metadata={"help": "Shortest kept prefix as a fraction of the response length, in (0, 1]."},
     )
-    branch_keep_prob: float = field(
+    branch_keep_prob: keep_prob_or_auto = field(
         default=1.0,
-        metadata={"help": "Probability that a branch (chosen/rejected) is backpropagated (branch pruning), in (0, 1]."},
+        metadata={"help": "Probability that a branch (chosen/rejected) is backpropagated (branch pruning), in (0, 1], "
+                  "or 'auto' (chosen per pair during training, trl_pruned_dpo/auto.py)."},
     )
     branch_sampling: str = field(
         default="paired",
@@ -137,11 +162,17 @@ class PrunedDPOConfig(DPOConfig):
     def pruning_enabled(self) -> bool:
         """Whether any estimator differs from the exact computation."""
         return (
-            self.position_keep_prob < 1.0
+            self.auto_keep_probs
+            or self.position_keep_prob < 1.0
             or self.prefix_prune_prob > 0.0
             or self.branch_keep_prob < 1.0
             or self.prune_common_prefix
         )
+
+    @property
+    def auto_keep_probs(self) -> bool:
+        """Whether the trainer chooses a keep probability itself (`"auto"`)."""
+        return AUTO in (self.position_keep_prob, self.branch_keep_prob)
 
     def __post_init__(self):
         self._default_bf16_to_hardware()
@@ -171,6 +202,15 @@ class PrunedDPOConfig(DPOConfig):
     def _validate_pruning(self):
         def in_range(name, low, high, low_open):
             value = getattr(self, name)
+            if name in AUTO_FIELDS:
+                if isinstance(value, str):
+                    try:
+                        value = keep_prob_or_auto(value)  # "0.5" from a YAML string
+                    except ValueError:
+                        raise TypeError(f"`{name}` must be a number in (0, 1] or 'auto', got {value!r}.") from None
+                    setattr(self, name, value)
+                if value == AUTO:
+                    return
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"`{name}` must be a number, got {value!r}.")
             ok = (low < value if low_open else low <= value) and value <= high

@@ -44,7 +44,13 @@ def check_not_empty(dataset, args) -> None:
 
 def largest_inverse_weight(args) -> float:
     """The largest weight the configured sampling gives a token's contribution to the gradient (Eqs. 1-3)."""
-    weight = 1.0 / args.position_keep_prob / args.branch_keep_prob
+    from .auto import BRANCH_GRID, POSITION_GRID
+    from .config import AUTO
+
+    # "auto" picks from its grid (auto.py): its smallest value bounds the weight
+    position = min(POSITION_GRID) if args.position_keep_prob == AUTO else args.position_keep_prob
+    branch = min(BRANCH_GRID) if args.branch_keep_prob == AUTO else args.branch_keep_prob
+    weight = 1.0 / position / branch
     if args.prefix_prune_prob > 0:
         # q_t is smallest at the last token of the longest response: (1 - p) + p / (L - k0 + 1), k0 = ceil(r L)
         longest = getattr(args, "max_completion_length", None) or args.max_length or 1024

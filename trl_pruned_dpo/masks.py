@@ -62,34 +62,53 @@ def draw_prefix_keep(
     return ((t > 0) & (t <= k.unsqueeze(1))).to(response.device)
 
 
-def draw_positions(response: torch.Tensor, keep_prob: float, generator: torch.Generator) -> torch.Tensor:
+def pair_probs(keep_prob, num_pairs: int) -> torch.Tensor:
+    """A keep probability as a (num_pairs,) float64 tensor: a float is the same for every pair; a tensor has one
+    value per pair (trl_pruned_dpo/auto.py). Either way it is fixed before the draw it weights."""
+    if torch.is_tensor(keep_prob):
+        if keep_prob.shape != (num_pairs,):
+            raise ValueError(f"A per-pair keep probability needs shape ({num_pairs},), got {tuple(keep_prob.shape)}.")
+        return keep_prob.detach().cpu().double()
+    return torch.full((num_pairs,), float(keep_prob), dtype=torch.float64)
+
+
+def prunes(keep_prob) -> bool:
+    """Whether a keep probability (float or per-pair tensor) drops anything."""
+    return bool((keep_prob < 1).any()) if torch.is_tensor(keep_prob) else keep_prob < 1
+
+
+def draw_positions(response: torch.Tensor, keep_prob, generator: torch.Generator) -> torch.Tensor:
     """Boolean (rows, cols): m_t ~ Bernoulli(keep_prob) on response positions (Eq. 1), one draw per pair.
 
     The chosen and the rejected row of a pair share their draws position by position (their responses start at the
     same column): each row's mask has exactly the law of Eq. 1, but aligned tokens of the two branches, whose
     log-ratios nearly agree on near-copy pairs, are kept or dropped together, so their noise cancels in D^_w - D^_l.
+    `keep_prob` is a float or a per-pair tensor (both rows of pair i use its value).
     """
     pairs = response.size(0) // 2
     u = torch.rand((pairs, response.size(1)), generator=generator)
-    return torch.cat([u, u]).lt(keep_prob).to(response.device) & response.bool()
+    p = pair_probs(keep_prob, pairs).float().unsqueeze(1)
+    return torch.cat([u, u]).lt(torch.cat([p, p])).to(response.device) & response.bool()
 
 
-def draw_branches(num_pairs: int, keep_prob: float, sampling: str, generator: torch.Generator) -> torch.Tensor:
+def draw_branches(num_pairs: int, keep_prob, sampling: str, generator: torch.Generator) -> torch.Tensor:
     """Boolean (2 * num_pairs,): z_b, whether each row ([chosen; rejected]) is backpropagated. P(z_b = 1) = keep_prob.
 
     "paired" stratifies per pair: for p >= 1/2 one branch (a fair coin picks which) always and the other with
     probability 2p - 1; for p < 1/2 one branch with probability 2p, else none. "independent": z_b ~ Bernoulli(p).
+    `keep_prob` is a float or a per-pair tensor (pair i's two rows use its value); the same uniforms are drawn either
+    way, so a constant tensor draws exactly what its float does.
     """
+    p = pair_probs(keep_prob, num_pairs)
     if sampling == "independent":
-        return torch.rand(2 * num_pairs, generator=generator) < keep_prob
+        return torch.rand(2 * num_pairs, generator=generator) < torch.cat([p, p])
     if sampling != "paired":
         raise ValueError(f"Unknown branch_sampling {sampling!r}")
     first_is_chosen = torch.rand(num_pairs, generator=generator) < 0.5
-    u = torch.rand(num_pairs, generator=generator)
-    if keep_prob >= 0.5:
-        first, second = torch.ones(num_pairs, dtype=torch.bool), u < 2 * keep_prob - 1
-    else:
-        first, second = u < 2 * keep_prob, torch.zeros(num_pairs, dtype=torch.bool)
+    u = torch.rand(num_pairs, generator=generator).double()
+    high = p >= 0.5
+    first = high | (u < 2 * p)
+    second = high & (u < 2 * p - 1)
     chosen = torch.where(first_is_chosen, first, second)
     rejected = torch.where(first_is_chosen, second, first)
     return torch.cat([chosen, rejected])
@@ -141,15 +160,19 @@ def draw_masks(
     input_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     *,
-    position_keep_prob: float,
+    position_keep_prob: float | torch.Tensor,
     prefix_prune_prob: float,
     prefix_min_ratio: float,
-    branch_keep_prob: float,
+    branch_keep_prob: float | torch.Tensor,
     branch_sampling: str,
     drop_common_prefix: bool,
     generator: torch.Generator,
 ) -> PruneMasks:
-    """Draw all masks for one micro-batch. With every probability at its identity value, nothing is pruned."""
+    """Draw all masks for one micro-batch. With every probability at its identity value, nothing is pruned.
+
+    `position_keep_prob` and `branch_keep_prob` are floats or per-pair (rows // 2,) tensors (Eqs. 1 and 3 with pair i's
+    own probability: the weights and branch scales are per pair too).
+    """
     response = completion_mask[:, 1:].bool()
     rows = response.size(0)
     exact = response & ~common_prefix(input_ids, response) if drop_common_prefix else response
@@ -158,14 +181,17 @@ def draw_masks(
     if prefix_prune_prob > 0:
         keep &= draw_prefix_keep(response, prefix_prune_prob, prefix_min_ratio, generator)
         q = prefix_inclusion_prob(response, prefix_prune_prob, prefix_min_ratio)
-    if position_keep_prob < 1:
+    if prunes(position_keep_prob):
         keep &= draw_positions(response, position_keep_prob, generator)
-    inclusion = q * position_keep_prob
+    pairs = rows // 2
+    p_pos = pair_probs(position_keep_prob, pairs).to(response.device)
+    inclusion = q * torch.cat([p_pos, p_pos]).unsqueeze(1)
     weights = torch.where(keep, 1.0 / inclusion.clamp(min=1e-12), torch.zeros_like(inclusion)).float()
     executed = executed_columns(keep)
-    if branch_keep_prob < 1:
-        backprop = draw_branches(rows // 2, branch_keep_prob, branch_sampling, generator).to(response.device)
+    if prunes(branch_keep_prob):
+        backprop = draw_branches(pairs, branch_keep_prob, branch_sampling, generator).to(response.device)
     else:
         backprop = torch.ones(rows, dtype=torch.bool, device=response.device)
-    branch_scale = backprop.float() / branch_keep_prob
+    p_branch = pair_probs(branch_keep_prob, pairs).to(response.device)
+    branch_scale = (backprop.double() / torch.cat([p_branch, p_branch])).float()
     return PruneMasks(keep, weights, executed, backprop, branch_scale, exact)

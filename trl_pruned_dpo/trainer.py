@@ -42,7 +42,8 @@ from ._trl import (
     get_config_model_id,
     use_adapter,
 )
-from .config import PrunedDPOConfig
+from .auto import AutoKeepProbs
+from .config import AUTO, PrunedDPOConfig
 from .data_checks import check_training_pairs
 from .estimators import horvitz_thompson, scale_branch_gradient
 from .execute import row_multiple, run_group, unsupported_reason
@@ -187,6 +188,8 @@ class PrunedDPOTrainer(DPOTrainer):
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         self._grad_rows_aux_loss = None
+        self._forced_mask_options = None  # auto.py's measurements draw with their own options
+        self._auto_probs = None  # "auto" keep probabilities (auto.py)
         self._share_backend = None  # resolved below, once the model is prepared (precompute runs unshared)
         super().__init__(model, ref_model, args, *pargs, **kwargs)
         check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (data_checks.py)
@@ -199,6 +202,9 @@ class PrunedDPOTrainer(DPOTrainer):
                 # (batches of an iterable dataset may be dispatched across processes, which carries tensors only)
                 self.data_collator = _HostCopyCollator(self.data_collator)
             self._share_backend = self._shared_prompt_backend()
+        if args.auto_keep_probs:
+            self._auto_probs = AutoKeepProbs(args, self.accelerator.unwrap_model(self.model).config,
+                                             reference=not args.precompute_ref_log_probs)
 
     @property
     def _uses_pruned_forward(self) -> bool:
@@ -271,10 +277,11 @@ class PrunedDPOTrainer(DPOTrainer):
         self._mask_step = (step, micro)
         return mask_generator(self.args.prune_seed, step, micro, self.accelerator.process_index)
 
-    def _mask_options(self) -> dict:
-        """The config's sampling probabilities, as `masks.draw_masks` takes them."""
+    def _mask_options(self, inputs=None) -> dict:
+        """The sampling probabilities of this micro-batch's draw, as `masks.draw_masks` takes them: the config's, with
+        any "auto" one chosen by `auto.AutoKeepProbs` (per-pair for branches) before the draw it weights."""
         args = self.args
-        return dict(
+        options = dict(
             position_keep_prob=args.position_keep_prob,
             prefix_prune_prob=args.prefix_prune_prob,
             prefix_min_ratio=args.prefix_min_ratio,
@@ -282,12 +289,25 @@ class PrunedDPOTrainer(DPOTrainer):
             branch_sampling=args.branch_sampling,
             drop_common_prefix=args.prune_common_prefix,
         )
+        if self._auto_probs is not None and inputs is not None:
+            step, micro = self._mask_step
+            measure_generator = mask_generator(self.args.prune_seed, step, -1 - micro, self.accelerator.process_index)
+            options = self._auto_probs.options(self, self.accelerator.unwrap_model(self.model), inputs, options, step,
+                                               micro, measure_generator)
+        return options
+
+    def _prunes_branches(self) -> bool:
+        """Whether branch pruning can drop rows (a structural choice, the same on every process)."""
+        return self.args.branch_keep_prob == AUTO or self.args.branch_keep_prob < 1
 
     def _draw_masks(self, inputs) -> PruneMasks:
         """This micro-step's masks, drawn on the host from the batch's token layout (no device sync)."""
         host = self._host_batch(inputs)
+        forced = self._forced_mask_options
+        if forced is not None:  # auto.py's measurements: their own options and generator, no step bookkeeping
+            return draw_masks(host.input_ids, host.completion_mask, **forced)
         generator = self._next_mask_generator()
-        return draw_masks(host.input_ids, host.completion_mask, **self._mask_options(), generator=generator)
+        return draw_masks(host.input_ids, host.completion_mask, **self._mask_options(inputs), generator=generator)
 
     def _host_batch(self, inputs) -> HostBatch:
         """The batch's token layout on the host: the collator's copy, else one copy now (precompute, custom loops)."""
@@ -407,7 +427,7 @@ class PrunedDPOTrainer(DPOTrainer):
         host = self._host_batch(inputs)
         common = common_tokens(host)
         grad_cost = 4.0 if self.args.gradient_checkpointing else 3.0  # forward + backward (+ recompute), Eq. in method
-        plan = plan_policy(host, masks, frozen_group=self.args.branch_keep_prob < 1, grad_cost=grad_cost,
+        plan = plan_policy(host, masks, frozen_group=self._prunes_branches(), grad_cost=grad_cost,
                            common=common, multiple=row_multiple(self._share_backend))
         # (no MoE router aux loss here: `_shared_prompt_backend` keeps such models on the unshared forward)
         per_token, _ = run_group(model, plan.grad, fields, self._share_backend, device)
@@ -458,7 +478,7 @@ class PrunedDPOTrainer(DPOTrainer):
 
         def run_frozen():
             # a structural choice, the same on every process
-            return run(False) if self.args.branch_keep_prob < 1 else None
+            return run(False) if self._prunes_branches() else None
 
         return run(True), run_frozen
 
@@ -495,7 +515,7 @@ class PrunedDPOTrainer(DPOTrainer):
             if f != "is_top1":
                 per_token[f] = horvitz_thompson(per_token[f].float(), on_device.weights)
         per_token["is_top1"] = per_token["is_top1"].bool() & on_device.scored
-        if self.args.branch_keep_prob < 1:
+        if self._prunes_branches():
             per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], on_device.branch_scale)
 
         for name, value in work_counts(self._host_batch(inputs), masks).items():
@@ -607,7 +627,7 @@ class PrunedDPOTrainer(DPOTrainer):
 
         if self.aux_loss_enabled and args.pruning_enabled:
             move("aux_loss", new="prune/aux_loss_grad_rows")
-        if args.position_keep_prob < 1 or args.prefix_prune_prob > 0:
+        if args.position_keep_prob == AUTO or args.position_keep_prob < 1 or args.prefix_prune_prob > 0:
             move("rewards/accuracies", new="prune/rewards/accuracies_of_estimate")
         if not args.prune_common_prefix:
             return

@@ -1,0 +1,222 @@
+"""The regimes study: data regime x batch size x setting x seed, and what explains the results.
+
+``python -m evaluation.regimes --jobs J`` (resumable; ``--stage train|gradients|report``). Beside the main study
+(quality.py: near-copy pairs, 8 pairs per step), it asks where the extra estimator noise of pruning is cheap:
+
+- regimes: ``near`` (the main study's near-copy pairs) and ``dissimilar`` (tasks.dissimilar_pairs: two different
+  answers that differ from the first response token on);
+- batch sizes 8, 32 and 64 pairs per step, at the *same number of pairs seen* (PAIRS; so B = 64 does 1/8 of the
+  steps of B = 8), the learning rate scaled by the square-root rule for Adam (lr = 1e-4 * sqrt(B / 8); Malladi et al.
+  2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms") and the warmup kept at 80 pairs;
+- per regime, at the starting policy with batches of 8 pairs: stock's simple noise scale B_simple = tr(Σ) / |G|²
+  (McCandlish et al. 2018) and each setting's extra-noise ratio r (gradients.diagnose, "noise / SGD noise"), so that
+  each cell can be checked against the 1 + B_simple (1 + r) / B model.
+
+Results: ``<out>/<regime>-b<B>/runs/<setting>-s<seed>.json`` (one file per run, reused when its fingerprint matches),
+``<out>/gradients-<regime>.json``; the report is the "Regimes" section of docs/quality.md (``--docs``).
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+REGIME_NAMES = ("near", "dissimilar")
+BATCHES = (8, 32, 64)
+SETTINGS = ("stock", "branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp")
+DIAGNOSED = ("branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp")
+SEEDS = (0, 1, 2, 3, 4)
+PAIRS = 256  # pairs seen at the equal-steps budget, every batch size
+N_TRAIN, N_TEST, N_SFT, SFT_STEPS = 2048, 128, 16384, 1000  # the main study's starting policy and splits
+N_HELD_OUT = 64  # held-out pairs evaluated (the first of the 128 test pairs): evaluation dominates a run's cost
+BASE_LR, BASE_BATCH, WARMUP_PAIRS = 1e-4, 8, 80
+EVALS = 4  # evaluations up to the equal-steps budget (+ 2 beyond it; each is costly on a shared CPU)
+
+
+def run_config(batch: int, pairs: int = PAIRS):
+    from .train import RunConfig
+
+    steps = max(pairs // batch, 4)
+    return RunConfig(steps=steps, pruned_steps_factor=1.5, batch_size=batch,
+                     learning_rate=BASE_LR * math.sqrt(batch / BASE_BATCH),
+                     warmup=max(1, round(WARMUP_PAIRS / batch)), eval_every=max(1, steps // EVALS),
+                     gen_every=10**9, eval_batch_size=64, generate=False)
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _load(path: Path, fingerprint: str):
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("fingerprint") == fingerprint:
+            return data
+    return None
+
+
+def _save(path: Path, data: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+class Regimes:
+    def __init__(self, out: Path, pairs: int = PAIRS, n_test: int = N_TEST, quick: bool = False):
+        from .sft import SFTSpec
+
+        self.out, self.pairs, self.n_test, self.quick = out, pairs, n_test, quick
+        if quick:
+            self.sft = SFTSpec(quick=True, n_examples=256, steps=10, n_train=64, n_test=n_test)
+            self.n_train = 64
+        else:
+            self.sft = SFTSpec(n_examples=N_SFT, steps=SFT_STEPS, n_train=N_TRAIN, n_test=N_TEST)
+            self.n_train = N_TRAIN
+
+    def policy(self) -> str:
+        from .sft import starting_policy
+
+        return starting_policy(self.sft, log=lambda m: print(m, flush=True))
+
+    def splits(self, regime: str) -> dict:
+        from .tasks import REGIMES, make_study_splits
+
+        splits = make_study_splits(self.sft.n_examples, self.n_train, self.sft.n_test, quick=self.quick)
+        return {k: REGIMES[regime](splits[k][: self.n_test] if k == "test" else splits[k]) for k in ("train", "test")}
+
+    def path(self, regime, batch, setting, seed) -> Path:
+        return self.out / f"{regime}-b{batch}" / "runs" / f"{setting}-s{seed}.json"
+
+    def fingerprint(self, regime, batch, setting, seed) -> str:
+        from .quality import _setting_key
+        from .settings import SETTINGS as ALL
+
+        return _fingerprint(self.sft.key(), regime, self.n_test, asdict(run_config(batch, self.pairs)),
+                            _setting_key(ALL[setting]), seed)
+
+    def train_one(self, regime, batch, setting, seed):
+        from .settings import SETTINGS as ALL
+        from .tasks import as_dataset
+        from .train import run
+
+        path, fp = self.path(regime, batch, setting, seed), self.fingerprint(regime, batch, setting, seed)
+        if _load(path, fp):
+            return
+        splits = self.splits(regime)
+        started = time.perf_counter()
+        record = run(ALL[setting], seed, self.policy(), as_dataset(splits["train"]), as_dataset(splits["test"]), [],
+                     run_config(batch, self.pairs), log=lambda m: None)
+        record.update(fingerprint=fp, regime=regime, batch=batch)
+        _save(path, record)
+        print(f"  {regime}-b{batch} {setting} s{seed}: {time.perf_counter() - started:.0f}s, final pref "
+              f"{record['curve'][-1]['pref_acc']:.3f}", flush=True)
+
+    def train(self, jobs, regimes, batches, settings, seeds, extra=()):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.policy()
+        # Seeds outermost and stock first, so a study cut short has complete seeds to compare.
+        todo = [(r, b, s, seed) for seed in seeds for r in regimes for b in batches for s in settings
+                if not _load(self.path(r, b, s, seed), self.fingerprint(r, b, s, seed))]
+        print(f"{len(todo)} runs to do", flush=True)
+
+        def one(item):
+            regime, batch, setting, seed = item
+            command = [sys.executable, "-m", "evaluation.regimes", "--one", regime, str(batch), setting, str(seed),
+                       "--out", str(self.out), "--pairs", str(self.pairs), *extra]
+            return subprocess.run(command, cwd=REPO, check=False).returncode
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            failed = [item for item, code in zip(todo, pool.map(one, todo)) if code != 0]
+        if failed:
+            raise SystemExit(f"runs failed: {failed}")
+
+    def gradients(self, regimes):
+        """B_simple and each setting's r per regime, at the starting policy, batches of 8 pairs."""
+        from .gradients import diagnose
+        from .settings import SETTINGS as ALL
+
+        cfg = run_config(BASE_BATCH, self.pairs)
+        sgd_batches, diag_batches, draws = (4, 1, 2) if self.quick else (16, 4, 8)
+        for regime in regimes:
+            path = self.out / f"gradients-{regime}.json"
+            fp = _fingerprint(self.sft.key(), regime, sgd_batches, diag_batches, draws, DIAGNOSED)
+            if _load(path, fp):
+                continue
+            rows = self.splits(regime)["train"][: sgd_batches * cfg.batch_size]
+            result = diagnose([ALL[n] for n in DIAGNOSED], self.policy(), self.policy(), rows, cfg, draws,
+                              diag_batches, log=lambda m: print(m, flush=True))
+            _save(path, {"fingerprint": fp, "diagnostics": result})
+
+
+def b_simple(meta: dict) -> float:
+    """tr(Σ) / |G|² from diagnose's metadata: per-batch noise E|g_B - G|² = tr(Σ) / B, and |Ḡ|² of the mean of n
+    batches, which overestimates |G|² by tr(Σ) / (n B)."""
+    batch, noise, n = meta["batch_size"], meta["sgd_noise"], meta["sgd_batches"]
+    g2 = meta["pooled_norm2"] - noise / n
+    return batch * noise / g2 if g2 > 0 else math.inf
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m evaluation.regimes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stage", choices=["all", "train", "gradients", "report"], default="all")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "regimes")
+    parser.add_argument("--docs", type=Path, help="write the report into <docs>/quality.md (default: <out>/regimes.md)")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--regimes", nargs="+", default=list(REGIME_NAMES), choices=REGIME_NAMES)
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    parser.add_argument("--pairs", type=int, default=PAIRS, help="pairs seen at the equal-steps budget")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI's smoke test)")
+    parser.add_argument("--one", nargs=4, metavar=("REGIME", "BATCH", "SETTING", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    for key, value in (("TQDM_DISABLE", "1"), ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
+                       ("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_OFFLINE", "1"), ("OMP_NUM_THREADS", "1")):
+        os.environ.setdefault(key, value)
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    for name in ("transformers", "trl", "datasets", "accelerate", "trl_pruned_dpo"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+
+    study = Regimes(args.out, pairs=args.pairs, n_test=16 if args.quick else N_HELD_OUT, quick=args.quick)
+    if args.one:
+        regime, batch, setting, seed = args.one
+        study.train_one(regime, int(batch), setting, int(seed))
+        return 0
+    extra = ["--quick"] if args.quick else []
+    if args.stage in ("all", "train"):
+        study.train(args.jobs, args.regimes, args.batches, args.settings, args.seeds, extra)
+    if args.stage in ("all", "gradients"):
+        study.gradients(args.regimes)
+    if args.stage in ("all", "report"):
+        from .regimes_report import write
+
+        write(study, args.regimes, args.batches, args.settings, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

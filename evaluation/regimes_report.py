@@ -1,0 +1,245 @@
+"""The "Regimes" section of docs/quality.md, from the regimes study's cached results (evaluation/regimes.py).
+
+Readings, per cell (regime, batch size B) and setting, paired by seed against stock, 95% t-intervals over seeds:
+
+- equal steps: the level of the held-out preference accuracy around the equal-steps budget N (mean of the curve at
+  three points over the last third of the budget, as in the main tables);
+- equal time: a setting whose measured training time for N steps is r times stock's (median over seeds of the ratio,
+  from the runs themselves, which ran side by side in parallel processes of one thread) is read at N / r steps;
+  "(≥)" marks a run that ended before (a lower bound);
+- auto: what it chose (branch / position keep probability for the pairs that are not near-copies), the measured
+  B_simple and r, the time its measurements took (share of the training time), and the time it needs to reach
+  stock's accuracy at N (share of stock's time; "> x" when it never does in its run).
+"""
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from .report import curve, interp, mean_ci, window
+from .settings import SETTINGS as ALL
+
+START, END = "<!-- regimes:start -->", "<!-- regimes:end -->"
+FINDINGS = Path(__file__).with_name("regimes_findings.md")  # written by hand from a run; included as is
+
+
+def _runs(study, regime, batch, setting):
+    folder = study.out / f"{regime}-b{batch}" / "runs"
+    out = {}
+    for path in sorted(folder.glob(f"{setting}-s*.json")):
+        data = json.loads(path.read_text())
+        if data.get("fingerprint") == study.fingerprint(regime, batch, setting, data["seed"]):
+            out[data["seed"]] = data
+    return out
+
+
+def _level(run, step, width):
+    xs, ys = curve(run, "pref_acc")
+    return window(xs, ys, step, width)
+
+
+def _time_at(run, step):
+    xs, ts = curve(run, "time")
+    return interp(xs, ts, step)
+
+
+def _measure_cost(run) -> float:
+    """auto's measurement work in token units (all of it at step 0 in these short runs); older records kept only
+    its seconds, converted at the run's own cost per second."""
+    if "auto_measure_cost" in run:
+        return run["auto_measure_cost"]
+    if run.get("auto_measure_seconds"):
+        return run["auto_measure_seconds"] / run["train_time"] * run["cost_units"]
+    return 0.0
+
+
+def _cost_at(run, step):
+    """Work done by `step` in token units (forward 1 per executed token, backward 2, reference forward 1; train.py),
+    auto's measurements included: the hardware-free clock of the equal-time reading."""
+    xs, cs = curve(run, "cost")
+    return interp([0] + xs, [0] + cs, step) + _measure_cost(run)
+
+
+def _fmt(pair, signed=False, pct=True):
+    mean, half = pair
+    if mean is None or math.isnan(mean):
+        return "—"
+    scale = 100 if pct else 1
+    sign = "+" if signed and mean >= 0 else ""
+    body = f"{sign}{mean * scale:.1f}"
+    return body if math.isnan(half) else f"{body} ± {half * scale:.1f}"
+
+
+def cell_summary(study, regime, batch, settings):
+    stock = _runs(study, regime, batch, "stock")
+    if not stock:
+        return None
+    n = next(iter(stock.values()))["config"]["steps"]
+    width = n / 3
+    out = {"steps": n, "seeds": sorted(stock), "rows": {}}
+    stock_level = {s: _level(r, n, width) for s, r in stock.items()}
+    stock_time = {s: _time_at(r, n) for s, r in stock.items()}
+    stock_cost = {s: _cost_at(r, n) for s, r in stock.items()}
+    for name in settings:
+        runs = stock if name == "stock" else _runs(study, regime, batch, name)
+        seeds = sorted(set(runs) & set(stock))
+        if not seeds:
+            continue
+        ratio = statistics.median(_cost_at(runs[s], n) / stock_cost[s] for s in seeds)
+        measured = statistics.median(_time_at(runs[s], n) / stock_time[s] for s in seeds)
+        max_steps = min(runs[s]["max_steps"] for s in seeds)
+        target = n / ratio
+        lower = target > max_steps
+        at_n = [_level(runs[s], n, width) for s in seeds]
+        at_t = [_level(runs[s], min(target, max_steps), width) for s in seeds]
+        row = {
+            "seeds": len(seeds), "ratio": ratio, "measured_ratio": measured, "lower_bound": lower,
+            "acc_n": mean_ci(at_n), "d_n": mean_ci([a - stock_level[s] for a, s in zip(at_n, seeds)]),
+            "acc_t": mean_ci(at_t), "d_t": mean_ci([a - stock_level[s] for a, s in zip(at_t, seeds)]),
+        }
+        if name != "stock":
+            row["reach"] = _time_to_reach(runs, stock_level, stock_cost, seeds, n)
+        autos = [runs[s].get("auto") for s in seeds if runs[s].get("auto")]
+        if autos:
+            first = [a[0] for a in autos]
+            row["auto"] = {
+                "branch": statistics.median(f["branch_keep_prob"] for f in first),
+                "position": statistics.median(f["position_keep_prob"] for f in first),
+                "branch_all": sorted({f["branch_keep_prob"] for a in autos for f in a}),
+                "position_all": sorted({f["position_keep_prob"] for a in autos for f in a}),
+                "b_simple": statistics.median(f["b_simple"] for f in first),
+                "r_branch": statistics.median(f["r_branch"] for f in first),
+                "r_position": statistics.median(f["r_position"] for f in first),
+                "near": statistics.median(f["near_copy_fraction"] for f in first),
+                "overhead": statistics.median(_measure_cost(runs[s]) / _cost_at(runs[s], n) for s in seeds
+                                              if runs[s].get("auto")),
+            }
+        out["rows"][name] = row
+    return out
+
+
+def _time_to_reach(runs, stock_level, stock_cost, seeds, n):
+    """Median over seeds of (work by which the setting's held-out accuracy first reaches stock's level at N) / stock's
+    work for N steps; a seed that never reaches it counts its whole run (a lower bound, counted as "never")."""
+    shares, never = [], 0
+    for s in seeds:
+        run = runs[s]
+        xs, ys = curve(run, "pref_acc")
+        hit = next((x for x, y in zip(xs, ys) if y >= stock_level[s]), None)
+        if hit is None:
+            never += 1
+            hit = xs[-1]
+        shares.append(_cost_at(run, hit) / stock_cost[s])
+    return statistics.median(shares), never
+
+
+def _gradients(study, regime):
+    from .regimes import b_simple
+
+    path = study.out / f"gradients-{regime}.json"
+    if not path.is_file():
+        return None
+    diag = json.loads(path.read_text())["diagnostics"]
+    return {"b_simple": b_simple(diag["_meta"]), **{k: v["noise_vs_sgd"] for k, v in diag.items() if k != "_meta"}}
+
+
+def _model_factor(b_simple, r, batch):
+    """Predicted steps to a loss relative to stock's: (1 + B_simple (1 + r) / B) / (1 + B_simple / B)."""
+    if b_simple is None or r is None or not math.isfinite(b_simple):
+        return None
+    return (1 + b_simple * (1 + r) / batch) / (1 + b_simple / batch)
+
+
+def render(study, regimes, batches, settings) -> str:
+    from .regimes import DIAGNOSED
+
+    lines = [START, "", "## Regimes: data x batch size", ""]
+    lines += [
+        "Generated by `python -m evaluation.regimes --stage report --docs docs` (evaluation/regimes.py, "
+        "evaluation/regimes_report.py). Same starting policy as above; the same number of pairs seen at every batch "
+        f"size (N = {study.pairs} / B steps), learning rate 1e-4 x sqrt(B / 8) (square-root rule for Adam), warmup "
+        "80 pairs; every run goes on to 1.5 N to be read at equal time. *near*: the main study's near-copy pairs; "
+        "*dissimilar*: two different answers that differ from the first response token on (tasks.dissimilar_pairs). "
+        f"{study.n_test} held-out pairs. Δ in points, paired by seed against stock, mean ± 95% t-interval. Equal time "
+        "uses each setting's measured time for N steps over stock's (median over seeds; runs ran side by side, one "
+        "thread each, so these times are noisier than the main study's round-robin timing).",
+        "",
+    ]
+    diag = {r: _gradients(study, r) for r in regimes}
+    lines += ["Noise, per regime, at the starting policy (batches of 8 pairs): B_simple = tr(Σ) / |G|² of stock, and "
+              "each setting's extra-noise ratio r (noise / SGD noise).", "",
+              "| regime | B_simple | " + " | ".join(ALL[n].label for n in DIAGNOSED) + " |",
+              "|---|---|" + "---|" * len(DIAGNOSED)]
+    for regime in regimes:
+        g = diag[regime]
+        if g is None:
+            lines.append(f"| {regime} | (not measured) |" + " |" * len(DIAGNOSED))
+            continue
+        cells = [f"{g[n]:.2f}" if n in g else "—" for n in DIAGNOSED]
+        lines.append(f"| {regime} | {g['b_simple']:.1f} | " + " | ".join(cells) + " |")
+    lines += ["", "| regime | B | setting | seeds | work per step (x stock) [measured s] | Δ @N | Δ @ equal work | "
+              "model: steps x | work to stock's acc @N (x stock) |", "|---|---|---|---|---|---|---|---|---|"]
+    auto_lines = []
+    for regime in regimes:
+        g = diag[regime] or {}
+        for batch in batches:
+            summary = cell_summary(study, regime, batch, settings)
+            if summary is None:
+                lines.append(f"| {regime} | {batch} | (no runs yet) | | | | | | |")
+                continue
+            stock = summary["rows"]["stock"]
+            lines.append(f"| {regime} | {batch} | stock: {_fmt(stock['acc_n'])} % @N = {summary['steps']} | "
+                         f"{stock['seeds']} | 1.00 | — | — | — | — |")
+            for name in settings:
+                row = summary["rows"].get(name)
+                if name == "stock" or row is None:
+                    continue
+                factor = _model_factor(g.get("b_simple"), g.get(name), batch)
+                reach, never = row["reach"]
+                reach_text = f"{reach:.2f}" + (f" ({never} never)" if never else "")
+                lines.append(
+                    f"| {regime} | {batch} | {ALL[name].label} | {row['seeds']} | {row['ratio']:.2f} [{row['measured_ratio']:.2f}] | "
+                    f"{_fmt(row['d_n'], signed=True)} | {_fmt(row['d_t'], signed=True)}"
+                    f"{' (≥)' if row['lower_bound'] else ''} | {'—' if factor is None else f'{factor:.2f}'} | "
+                    f"{reach_text} |")
+                if "auto" in row:
+                    a = row["auto"]
+                    auto_lines.append(
+                        f"| {regime} | {batch} | {a['branch']:g} ({', '.join(f'{v:g}' for v in a['branch_all'])}) | "
+                        f"{a['position']:g} ({', '.join(f'{v:g}' for v in a['position_all'])}) | {a['near']:.0%} | "
+                        f"{a['b_simple']:.1f} | {a['r_branch']:.2f} | {a['r_position']:.2f} | "
+                        f"{a['overhead']:.1%} |")
+    lines += ["", "*model: steps x* is the critical-batch prediction of the steps to a given loss relative to stock, "
+              "(1 + B_simple (1 + r) / B) / (1 + B_simple / B), from the noise table; a setting pays at equal work when "
+              "its work per step times this factor is below 1.", ""]
+    if auto_lines:
+        lines += ["What `auto` chose (median over seeds of its first choice; in brackets every value it chose in any "
+                  "seed and measurement), for the pairs that are not near-copies (near-copies always keep both "
+                  "branches), from what it measured, and the work its measurements took as a share of the run's work "
+                  "to N (one measurement, at step 0: a run this short pays it in full; a long run pays it once per "
+                  "MEASURE_EVERY = 200 steps):", "",
+                  "| regime | B | branch keep | position keep | near-copy pairs | B_simple (measured) | r branch @0.5 "
+                  "| r position @0.5 | measurement work (share of run to N) |", "|---|---|---|---|---|---|---|---|---|",
+                  *auto_lines, ""]
+    if FINDINGS.is_file():
+        lines += [FINDINGS.read_text().rstrip("\n"), ""]
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def write(study, regimes, batches, settings, docs: Path | None):
+    text = render(study, regimes, batches, settings)
+    if docs is None:
+        path = study.out / "regimes.md"
+        path.write_text(text)
+    else:
+        path = Path(docs) / "quality.md"
+        old = path.read_text() if path.is_file() else ""
+        if START in old and END in old:
+            new = old[: old.index(START)] + text.rstrip("\n") + old[old.index(END) + len(END):]
+        else:
+            new = old.rstrip("\n") + "\n\n" + text
+        path.write_text(new)
+    print(f"wrote {path}", flush=True)
+    return text

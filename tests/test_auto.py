@@ -1,0 +1,170 @@
+"""`auto` keep probabilities: per-pair probabilities stay unbiased, the choice follows the noise model, near-copies
+keep both branches, the trainer logs what it chose, and the measurement is cheap."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo import auto
+from trl_pruned_dpo.masks import draw_branches, draw_masks, draw_positions
+
+from conftest import build_trainer, first_batch, preference_rows
+
+
+def _batch(pairs=6, cols=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 60, (2 * pairs, cols), generator=g)
+    completion = torch.zeros(2 * pairs, cols, dtype=torch.long)
+    for row in range(2 * pairs):
+        start = 3 + row % 2
+        completion[row, start : cols - (row % 3)] = 1
+    return ids, completion
+
+
+def test_per_pair_probabilities_are_unbiased():
+    """E[weight] = 1 on every response position and E[branch scale x weight] = 1 (the factor on each token's gradient),
+    with a different keep probability for every pair, over many draws: every position's z-score is small."""
+    ids, completion = _batch()
+    p_branch = torch.tensor([0.3, 0.5, 0.6, 0.8, 1.0, 0.45], dtype=torch.float64)
+    p_pos = torch.tensor([0.25, 0.5, 0.75, 1.0, 0.6, 0.9], dtype=torch.float64)
+    response = completion[:, 1:].bool()
+    draws = 2000
+    for sampling in ("paired", "independent"):
+        g = torch.Generator().manual_seed(1)
+        values = {"weight": [], "grad": []}
+        for _ in range(draws):
+            m = draw_masks(ids, completion, position_keep_prob=p_pos, prefix_prune_prob=0.5, prefix_min_ratio=0.5,
+                           branch_keep_prob=p_branch, branch_sampling=sampling, drop_common_prefix=False, generator=g)
+            w = m.weights.double()
+            values["weight"].append(w[response])
+            values["grad"].append((w * m.branch_scale.double().unsqueeze(1))[response])
+        for name, samples in values.items():
+            x = torch.stack(samples)
+            z = (x.mean(0) - 1) / (x.std(0).clamp(min=1e-12) / math.sqrt(draws))
+            assert z.abs().max() < 4.5, (sampling, name, float(z.abs().max()))
+            assert abs(float(z.mean())) < 4.5 / math.sqrt(z.numel()) * 2, (sampling, name)
+
+
+def test_constant_tensor_draws_what_its_float_draws():
+    ids, completion = _batch()
+    pairs = ids.size(0) // 2
+    for p in (0.3, 0.5, 0.75):
+        a = draw_branches(pairs, p, "paired", torch.Generator().manual_seed(3))
+        b = draw_branches(pairs, torch.full((pairs,), p), "paired", torch.Generator().manual_seed(3))
+        assert torch.equal(a, b)
+        response = completion[:, 1:]
+        a = draw_positions(response, p, torch.Generator().manual_seed(4))
+        b = draw_positions(response, torch.full((pairs,), p), torch.Generator().manual_seed(4))
+        assert torch.equal(a, b)
+
+
+def test_per_pair_probability_of_wrong_shape_is_an_error():
+    with pytest.raises(ValueError, match="per-pair keep probability"):
+        draw_branches(4, torch.full((3,), 0.5), "paired", torch.Generator())
+
+
+def test_overlap_separates_near_copies_from_different_answers():
+    ids, completion = _batch(pairs=3)
+    pairs = 3
+    ids[pairs:] = ids[:pairs]  # rejected = chosen ...
+    ids[pairs, 8] += 1  # ... with one planted mistake in pair 0
+    ids[pairs + 1] = torch.randint(60, 90, (ids.size(1),))  # pair 1: an unrelated answer
+    ids[pairs + 1, :4] = ids[1, :4]  # same prompt
+    completion[pairs:] = completion[:pairs]
+    overlap = auto.pair_overlap(ids, completion)
+    assert overlap[0] > 0.8 and overlap[2] == 1.0 and overlap[1] < 0.1
+    probs = auto.per_pair_branch_probs(overlap, 0.5)
+    assert probs.tolist() == [1.0, 0.5, 1.0]  # near-copies keep both branches
+
+
+def test_choice_follows_the_noise_model():
+    common = dict(r_branch=2.0, r_position=1.0, near_copy_fraction=0.0, head=0.2, reference=True, branch_auto=True,
+                  position_auto=True)
+    # Far above the noise scale, extra noise is nearly free: prune.
+    big = auto.choose(b_simple=4.0, batch=256, **common)
+    assert big.branch_keep_prob < 1 and big.time_ratio < 0.9
+    # Below it, extra noise costs steps in proportion: keep everything.
+    small = auto.choose(b_simple=400.0, batch=8, **common)
+    assert (small.branch_keep_prob, small.position_keep_prob, small.time_ratio) == (1.0, 1.0, 1.0)
+    # No usable measurement: keep everything.
+    unknown = auto.choose(b_simple=math.inf, batch=256, **common)
+    assert (unknown.branch_keep_prob, unknown.position_keep_prob) == (1.0, 1.0)
+    # Near-copies save nothing by branch pruning (they keep both), so an all-near-copy batch keeps 1.
+    near = auto.choose(b_simple=4.0, batch=256, **{**common, "near_copy_fraction": 1.0, "r_position": 50.0})
+    assert near.branch_keep_prob == 1.0
+    # The expected time of the choice is the model's (A1) ratio.
+    expected = auto.relative_step_cost(big.branch_keep_prob, big.position_keep_prob, 0.2, True) * auto.steps_factor(
+        4.0, auto.extra_noise(2.0, big.branch_keep_prob) + auto.extra_noise(1.0, big.position_keep_prob), 256
+    ) / auto.steps_factor(4.0, 0.0, 256)
+    assert big.time_ratio == pytest.approx(expected)
+
+
+def test_config_accepts_auto(tmp_path):
+    args = PrunedDPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False,
+                           branch_keep_prob="auto", position_keep_prob="0.5")
+    assert args.branch_keep_prob == "auto" and args.position_keep_prob == 0.5 and args.pruning_enabled
+    with pytest.raises(TypeError, match="branch_keep_prob.*or 'auto'"):
+        PrunedDPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, branch_keep_prob="fast")
+    from trl import TrlParser
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nbranch_keep_prob: auto\nposition_keep_prob: 0.75\nreport_to: none\n"
+                      "use_cpu: true\nbf16: false\n")
+    parsed = TrlParser((PrunedDPOConfig,)).parse_args_and_config(["--config", str(config)])[0]
+    assert (parsed.branch_keep_prob, parsed.position_keep_prob) == ("auto", 0.75)
+    parsed = TrlParser((PrunedDPOConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--position_keep_prob", "auto", "--report_to", "none", "--use_cpu",
+         "--bf16", "false"])[0]
+    assert parsed.position_keep_prob == "auto"
+
+
+@pytest.fixture()
+def mixed_dataset():
+    rows = preference_rows(16)
+    far = [{**r, "rejected": r["rejected"][::-1] + "xyz"} for r in rows[:8]]  # different answers
+    return Dataset.from_list(rows[8:] + far)
+
+
+def test_trainer_logs_its_choice_and_measures_cheaply(tokenizer, mixed_dataset, tmp_path):
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset, tmp_path,
+                            per_device_train_batch_size=16, max_steps=2, branch_keep_prob="auto",
+                            position_keep_prob="auto", use_cpu=True)
+    rows = []
+    hook = trainer.model.register_forward_hook(lambda m, a, k, out: rows.append(k["input_ids"].size(0)),
+                                               with_kwargs=True)
+    trainer.train()
+    hook.remove()
+    history = trainer._auto_probs.history
+    assert len(history) == 1 and history[0]["step"] == 0  # measured once, at step 0
+    logged = [h for h in trainer.state.log_history if "prune/branch_keep_prob" in h]
+    assert len(logged) == 2
+    assert all(0 < h["prune/branch_keep_prob"] <= 1 and 0 < h["prune/position_keep_prob"] <= 1 for h in logged)
+    assert "B_simple" in trainer._auto_probs.choice.reason
+    # Measurement work: policy rows it ran, over MEASURE_EVERY steps of 32 policy rows (+ the one-row empty groups).
+    step_rows = 2 * 16
+    measured = sum(rows) - 2 * step_rows - 2  # 2 training steps (each may add one empty-group row)
+    assert 0 < measured <= 3 * 2 * auto.MEASURE_PAIRS + 6
+    assert measured / (auto.MEASURE_EVERY * step_rows) <= 0.03
+    # Metrics of the measurement passes were dropped: one training loss per logged step.
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2]
+
+
+def test_measurement_does_not_move_the_draws(tokenizer, mixed_dataset, tmp_path):
+    """With the choice fixed, the step's masks are the same whether or not a measurement ran first."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset, tmp_path,
+                            per_device_train_batch_size=16, branch_keep_prob="auto", use_cpu=True)
+    batch = first_batch(trainer, 16)
+    probs = trainer._auto_probs
+    trainer.state.global_step = 0
+    trainer._draw_masks(batch)  # measures at step 0 and chooses
+    probs._measured_step = 0
+    trainer._mask_step = (-1, 0)
+    again = trainer._draw_masks(batch)  # no measurement this time
+    probs._measured_step = -1
+    trainer._mask_step = (-1, 0)
+    trainer.state.global_step = 0
+    measured = trainer._draw_masks(batch)
+    assert torch.equal(again.backprop, measured.backprop) and torch.equal(again.weights, measured.weights)

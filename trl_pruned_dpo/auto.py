@@ -1,0 +1,302 @@
+"""`auto` keep probabilities: the trainer picks `branch_keep_prob` / `position_keep_prob` itself.
+
+The rule: minimise the expected wall-clock to a given loss,
+
+    T(p) ∝ c(p) * (1 + B_simple * (1 + r(p)) / B)                                            (A1)
+
+the critical-batch picture of McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", Eq. 2.7: steps to
+a loss grow like 1 + B_noise / B), with the extra estimator noise of pruning counted as added gradient noise:
+r(p) = Var(pruned - exact) / Var(minibatch) per pair. c(p) is the relative cost of a step (token model below), B the
+pairs per optimizer step, B_simple = tr(Σ) / |G|² the simple noise scale. Pruning pays when B >> B_simple (1 + r):
+then its extra noise is nearly free; when B <~ B_simple it costs steps in proportion.
+
+Everything here is a pure function of tensors and numbers except `AutoKeepProbs`, which the trainer owns: it measures
+B_simple and r on a few pairs of the current batch at fixed steps (exact half-batch gradients and one pruned draw,
+with `torch.autograd.grad`, so nothing touches `.grad`), and chooses the probabilities of each draw *before* that draw
+(they depend on past measurements and on the batch's tokens only, never on the draw), so the estimators stay unbiased.
+Per pair, near-copies (chosen and rejected equal on most aligned positions) keep both branches: their per-branch
+gradients are large and cancel in the pair, so dropping one branch is the worst case (docs/quality.md: r ~ 10-30).
+"""
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .plan import HostBatch
+
+logger = logging.getLogger(__name__)
+
+MEASURE_EVERY = 200  # optimizer steps between measurements (the first is at step 0)
+MEASURE_PAIRS = 16  # pairs of the current batch a measurement uses (split in two halves for B_simple)
+NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
+MIN_GAIN = 0.05  # prune only when (A1) predicts at least this saving: the measurements are noisy
+BRANCH_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
+POSITION_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
+EMA = 0.5  # weight of a new measurement in the running estimates
+
+
+def pair_overlap(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(pairs,) fraction of the longer response's positions where chosen and rejected hold the same token after the
+    same token, in the same column (responses start at the same column in TRL's padded batch). Near-copies ~1; two
+    independent answers ~0, even where separators happen to line up (the preceding token then differs)."""
+    response = completion_mask[:, 1:].bool()
+    ids = input_ids[:, 1:]
+    previous = input_ids[:, :-1]
+    ids_w, ids_l = ids.chunk(2)
+    prev_w, prev_l = previous.chunk(2)
+    resp_w, resp_l = response.chunk(2)
+    same = ((ids_w == ids_l) & (prev_w == prev_l) & resp_w & resp_l).sum(dim=1).double()
+    longer = torch.maximum(resp_w.sum(dim=1), resp_l.sum(dim=1)).clamp(min=1).double()
+    return (same / longer).cpu()
+
+
+def per_pair_branch_probs(overlap: torch.Tensor, keep_prob: float) -> torch.Tensor:
+    """Near-copies (overlap >= NEAR_COPY) keep both branches; every other pair gets `keep_prob`."""
+    return torch.where(overlap >= NEAR_COPY, torch.ones_like(overlap), torch.full_like(overlap, keep_prob))
+
+
+def head_share(config) -> float:
+    """Share of a token's forward/backward FLOPs in the LM head, from a transformer config (0 if unknown).
+
+    Per token and layer ~ 4 d² (attention projections) + 3 d f (gated MLP); the head is d V. Only the head's work
+    shrinks with position pruning (the trunk still runs every position up to the last kept one)."""
+    try:
+        d, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+        ffn = getattr(config, "intermediate_size", None) or 4 * d
+    except AttributeError:
+        return 0.0
+    head = d * vocab
+    return head / (head + layers * (4 * d * d + 3 * d * ffn))
+
+
+def relative_step_cost(backprop_fraction: float, position_keep_prob: float, head: float, reference: bool) -> float:
+    """c(p): a step's cost over the unpruned step's, in token units: policy forward 1, backward 2 (on backpropagated
+    rows only), reference forward 1 (0 when precomputed); position pruning saves the head's share of what is not
+    scored."""
+    ref = 1.0 if reference else 0.0
+    work = (1.0 + ref + 2.0 * backprop_fraction) / (3.0 + ref)
+    return work * (1.0 - head * (1.0 - position_keep_prob))
+
+
+def extra_noise(r_half: float, keep_prob: float) -> float:
+    """r(p) from r measured at p = 1/2: inverse-probability weighting at keep probability p adds variance in
+    proportion to (1 - p) / p (Eqs. 1, 3), which is 1 at p = 1/2."""
+    return r_half * (1.0 - keep_prob) / keep_prob
+
+
+def steps_factor(b_simple: float, r: float, batch: int) -> float:
+    """1 + B_noise (1 + r) / B: steps to a given loss, relative to infinite batch (McCandlish et al. Eq. 2.7)."""
+    return 1.0 + b_simple * (1.0 + r) / batch
+
+
+@dataclass
+class Choice:
+    branch_keep_prob: float
+    position_keep_prob: float
+    time_ratio: float  # (A1) at the choice over (A1) unpruned
+    reason: str
+
+
+def choose(b_simple: float, r_branch: float, r_position: float, batch: int, near_copy_fraction: float, head: float,
+           reference: bool, branch_auto: bool, position_auto: bool, branch_fixed: float = 1.0,
+           position_fixed: float = 1.0) -> Choice:
+    """Minimise (A1) over the grids (a fixed probability where that family is not "auto"). Near-copy pairs keep both
+    branches whatever is chosen, so only the other pairs' rows save backward work. Ties go to the larger
+    probability, and pruning must win by MIN_GAIN, else the exact setting is kept."""
+    branches = BRANCH_GRID if branch_auto else (branch_fixed,)
+    positions = POSITION_GRID if position_auto else (position_fixed,)
+    if not math.isfinite(b_simple):
+        return Choice(branches[-1] if branch_auto else branch_fixed, positions[-1] if position_auto else position_fixed,
+                      1.0, "no usable noise measurement: keep everything")
+
+    def expected(pb, pp):
+        fraction = near_copy_fraction + (1.0 - near_copy_fraction) * pb
+        r = (1.0 - near_copy_fraction) * extra_noise(r_branch, pb) + extra_noise(r_position, pp)
+        return relative_step_cost(fraction, pp, head, reference) * steps_factor(b_simple, r, batch)
+
+    base = expected(1.0 if branch_auto else branch_fixed, 1.0 if position_auto else position_fixed)
+    best = (1.0 if branch_auto else branch_fixed, 1.0 if position_auto else position_fixed)
+    best_value = base
+    for pb in sorted(branches, reverse=True):
+        for pp in sorted(positions, reverse=True):
+            value = expected(pb, pp)
+            if value < best_value * (1.0 - 1e-9) and value <= base * (1.0 - MIN_GAIN):
+                best, best_value = (pb, pp), value
+    reason = (f"B_simple {b_simple:.1f} vs B {batch}; extra noise at p=0.5: branch {r_branch:.2f}, position "
+              f"{r_position:.2f}; {near_copy_fraction:.0%} near-copy pairs keep both branches; expected time to "
+              f"a loss x{best_value / base:.2f} of unpruned")
+    return Choice(best[0], best[1], best_value / base, reason)
+
+
+@dataclass
+class NoiseEstimates:
+    """Running (EMA) estimates, all per pair: |G_small|², |G_big|² at pair counts small/big (McCandlish App. A.1),
+    and the extra variance of one pruned draw (m |Ĝ - G|², per family)."""
+
+    small2: float | None = None
+    big2: float | None = None
+    small: int = 0
+    big: int = 0
+    extra: dict = field(default_factory=dict)
+    measurements: int = 0
+
+    def update(self, name: str, value: float):
+        old = getattr(self, name) if name in ("small2", "big2") else self.extra.get(name)
+        new = value if old is None else (1 - EMA) * old + EMA * value
+        if name in ("small2", "big2"):
+            setattr(self, name, new)
+        else:
+            self.extra[name] = new
+
+    def trace_sigma(self) -> float:
+        return (self.small2 - self.big2) / (1.0 / self.small - 1.0 / self.big)
+
+    def grad_norm2(self) -> float:
+        return (self.big * self.big2 - self.small * self.small2) / (self.big - self.small)
+
+    def b_simple(self) -> float:
+        if self.small2 is None:
+            return math.inf
+        g2, trace = self.grad_norm2(), self.trace_sigma()
+        if g2 <= 0 or trace <= 0:  # noise dominates what one batch can resolve: treat as noise-bound
+            return math.inf
+        return trace / g2
+
+    def ratio(self, family: str) -> float:
+        trace = self.trace_sigma() if self.small2 is not None else 0.0
+        if family not in self.extra or trace <= 0:
+            return math.inf
+        return self.extra[family] / trace
+
+
+def _subset(inputs: dict, pair_index: torch.Tensor, pairs: int) -> dict:
+    """The stacked batch restricted to `pair_index` (both rows of each pair)."""
+    rows = torch.cat([pair_index, pair_index + pairs])
+    out = {}
+    for key, value in inputs.items():
+        if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == 2 * pairs:
+            value = value[rows.to(value.device)]
+        elif torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == pairs:
+            value = value[pair_index.to(value.device)]
+        elif isinstance(value, HostBatch):  # the plan's host copy must describe the same rows
+            value = HostBatch(value.input_ids[rows], value.attention_mask[rows], value.completion_mask[rows])
+        out[key] = value
+    return out
+
+
+class AutoKeepProbs:
+    """Owned by the trainer when a keep probability is "auto": measures, chooses, and logs why."""
+
+    def __init__(self, args, model_config, reference: bool):
+        self.branch_auto = args.branch_keep_prob == "auto"
+        self.position_auto = args.position_keep_prob == "auto"
+        self.args = args
+        self.head = head_share(model_config)
+        self.reference = reference
+        self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
+        self.noise = NoiseEstimates()
+        self.choice = Choice(1.0, 1.0, 1.0, "before the first measurement: keep everything")
+        self.measure_seconds = 0.0
+        self.measure_tokens = 0  # work of the measurements in the trainer's token units (forward 1, backward 2)
+        self.history: list[dict] = []
+        self._measured_step = -1
+
+    # ------------------------------------------------------------------------------------------------ measurement
+    def _gradient(self, trainer, model, inputs, options: dict) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.requires_grad]
+        from .trainer import PrunedDPOTrainer  # the package's own loss: subclasses' bookkeeping sees no extra step
+
+        trainer._forced_mask_options = options
+        try:
+            loss = PrunedDPOTrainer.compute_loss(trainer, model, inputs)
+        finally:
+            trainer._forced_mask_options = None
+        stats = trainer.last_prune_stats
+        self.measure_tokens += stats.get("policy_tokens_executed", 0) + 2 * stats.get("grad_tokens_executed", 0) \
+            + stats.get("reference_tokens_executed", 0)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in
+                          zip(grads, params)])
+
+    def measure(self, trainer, model, inputs, base_options: dict, generator: torch.Generator):
+        """Exact gradients on two halves of up to MEASURE_PAIRS pairs (B_simple), and one pruned draw per "auto"
+        family at p = 1/2 on the same pairs (r). Trainer metrics and counters are restored afterwards."""
+        started = time.perf_counter()
+        pairs = inputs["input_ids"].size(0) // 2
+        m = min(MEASURE_PAIRS, pairs) // 2 * 2
+        if m < 2:
+            return
+        metrics = {k: len(v) for k, v in trainer._metrics["train"].items()}
+        stats, masks = dict(trainer.last_prune_stats), getattr(trainer, "_last_masks", None)
+        exact = {**base_options, "position_keep_prob": 1.0, "prefix_prune_prob": 0.0, "branch_keep_prob": 1.0,
+                 "generator": generator}
+        index = torch.randperm(pairs, generator=generator)[:m]
+        half_a, half_b = _subset(inputs, index[: m // 2], pairs), _subset(inputs, index[m // 2 :], pairs)
+        g_a = self._gradient(trainer, model, half_a, exact)
+        g_b = self._gradient(trainer, model, half_b, exact)
+        g = (g_a + g_b) / 2
+        self.noise.small, self.noise.big = m // 2, m
+        self.noise.update("small2", (float(g_a.pow(2).sum()) + float(g_b.pow(2).sum())) / 2)
+        self.noise.update("big2", float(g.pow(2).sum()))
+        both = _subset(inputs, index, pairs)
+        if self.branch_auto:
+            overlap = pair_overlap(both["input_ids"], both["completion_mask"])
+            draw = self._gradient(trainer, model, both, {**exact, "branch_keep_prob": per_pair_branch_probs(overlap, 0.5)})
+            far = float((overlap < NEAR_COPY).double().mean())
+            # per pair of the pairs that are pruned (near-copies add no extra noise)
+            extra = m * float((draw - g).pow(2).sum()) / max(far, 1.0 / m)
+            self.noise.update("branch", extra)
+        if self.position_auto:
+            draw = self._gradient(trainer, model, both, {**exact, "position_keep_prob": 0.5})
+            self.noise.update("position", m * float((draw - g).pow(2).sum()))
+        self.noise.measurements += 1
+        for k, v in trainer._metrics["train"].items():
+            del v[metrics.get(k, 0):]
+        trainer.last_prune_stats, trainer._last_masks = stats, masks
+        self.measure_seconds += time.perf_counter() - started
+
+    # ----------------------------------------------------------------------------------------------------- choice
+    def options(self, trainer, model, inputs, base_options: dict, step: int, micro_step: int, generator) -> dict:
+        """`base_options` with every "auto" probability replaced: per-pair branch probabilities, a float position
+        probability. Measures first when this step is due (micro-step 0 of steps 0, MEASURE_EVERY, ...)."""
+        if micro_step == 0 and step % MEASURE_EVERY == 0 and step != self._measured_step:
+            self._measured_step = step
+            self.measure(trainer, model, inputs, base_options, generator)
+            self._decide(inputs, step)
+        pairs = inputs["input_ids"].size(0) // 2
+        overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"])
+        options = dict(base_options)
+        if self.branch_auto:
+            options["branch_keep_prob"] = per_pair_branch_probs(overlap, self.choice.branch_keep_prob)
+        if self.position_auto:
+            options["position_keep_prob"] = self.choice.position_keep_prob
+        branch = options["branch_keep_prob"]
+        trainer._metrics["train"]["prune/branch_keep_prob"].append(
+            float(branch.mean()) if torch.is_tensor(branch) else float(branch))
+        trainer._metrics["train"]["prune/position_keep_prob"].append(float(options["position_keep_prob"]))
+        trainer._metrics["train"]["prune/auto_b_simple"].append(min(self.noise.b_simple(), 1e9))
+        del pairs
+        return options
+
+    def _decide(self, inputs, step: int):
+        overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"])
+        near = float((overlap >= NEAR_COPY).double().mean())
+        b_simple = self.noise.b_simple()
+        r_branch = self.noise.ratio("branch") if self.branch_auto else 0.0
+        r_position = self.noise.ratio("position") if self.position_auto else 0.0
+        if not (math.isfinite(r_branch) and math.isfinite(r_position)):
+            b_simple = math.inf
+        fixed_b = 1.0 if self.branch_auto else float(self.args.branch_keep_prob)
+        fixed_p = 1.0 if self.position_auto else float(self.args.position_keep_prob)
+        self.choice = choose(b_simple, r_branch, r_position, self.batch, near, self.head, self.reference,
+                             self.branch_auto, self.position_auto, fixed_b, fixed_p)
+        record = {"step": step, "b_simple": b_simple, "r_branch": r_branch, "r_position": r_position,
+                  "near_copy_fraction": near, "branch_keep_prob": self.choice.branch_keep_prob,
+                  "position_keep_prob": self.choice.position_keep_prob, "time_ratio": self.choice.time_ratio,
+                  "measure_seconds": self.measure_seconds, "measure_tokens": self.measure_tokens}
+        self.history.append(record)
+        logger.info(f"auto keep probabilities at step {step}: branch {self.choice.branch_keep_prob} (near-copies 1.0), "
+                    f"position {self.choice.position_keep_prob}. Why: {self.choice.reason}.")
