@@ -6,7 +6,7 @@ global step (the mask seed is a function of the step, so K steps give K independ
 - ``cos``: E[cos(g^, g_B)], averaged over draws and batches.
 - ``rel_mse``: E|g^ - g_B|^2 / |g_B|^2 (variance plus squared bias), averaged over batches.
 - ``rel_bias``: |mean_K g^ - g_B|^2 / |g_B|^2 less its expected noise floor rel_mse / K: ~0 when the estimator is
-  unbiased for this batch. (Unbiasedness holds for the sampled objective, not the full one, shared METHOD.md "Bias,
+  unbiased for this batch. (Unbiasedness holds for the sampled objective, not the full one, docs/method.md "Bias,
   honestly"; this measures how far that is from the full gradient.)
 - ``noise_vs_sgd``: E|g^ - g_B|^2 divided by the minibatch noise of stock SGD at the same batch size,
   E|g_B - g_pool|^2 (pool = all the fixed batches, corrected for its finite size). Pruning at noise ratio r acts

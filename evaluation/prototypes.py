@@ -9,7 +9,7 @@ docs/quality.md. They subclass or drive `PrunedDPOTrainer` from outside and do n
    same column, so a token of the common prefix is kept in both rows or in neither (its terms cancel in
    D^_w - D^_l, as they do in D_w - D_l), and after the planted mistake the aligned tokens of the near-copy, whose
    log-ratios and gradients nearly agree, are kept together too. Variance of the difference falls; the cost is the
-   same (shared METHOD.md "Exact savings": "drawing the same mask for both branches on their common prefix has the same
+   same (docs/method.md "Exact savings", derived in the project's METHOD: "drawing the same mask for both branches on their common prefix has the same
    effect", here extended past the prefix). The trainer adopted it for position masks in e6821e9, and draws one prefix
    cut per micro-batch since 6e59660 (shared within pairs too). Mask law "row" keeps the trainer's original law (every
    row on its own) so the comparison stays reproducible.

@@ -7,7 +7,7 @@ see, with responses from 2 tokens to ~240.
 
 Every pair is a near-copy: the rejected answer is the chosen one with a single planted mistake at a uniform position,
 so on average about half of each response is a common prefix (the hard case for single-branch gradients, shared
-METHOD.md "Bias, honestly"). Both tasks' mistakes are *locally* checkable (a break in the order or in the +1
+docs/method.md "Bias, honestly"). Both tasks' mistakes are *locally* checkable (a break in the order or in the +1
 pattern), which the demo's 2-layer model learns by SFT; the demo's ``reverse`` (a lookup in the prompt) and ``add``
 (operand copying) are left out: measured with this model, DPO's held-out accuracy on them stays at or below chance
 (reverse 26%, add 44% after 150 stock steps), so they would only add noise to the comparison.
