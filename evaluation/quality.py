@@ -78,7 +78,7 @@ def _load(path: Path, fingerprint: str):
 
 def _save(path: Path, data: dict):
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # one writer per process (--jobs)
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
 

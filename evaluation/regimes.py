@@ -17,8 +17,6 @@ Results: ``<out>/<regime>-b<B>/runs/<setting>-s<seed>.json`` (one file per run, 
 """
 
 import argparse
-import hashlib
-import json
 import math
 import os
 import statistics
@@ -27,6 +25,8 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from .quality import _fingerprint, _load, _save  # the study's one resumable result store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,25 +50,6 @@ def run_config(batch: int, pairs: int = PAIRS):
                      learning_rate=BASE_LR * math.sqrt(batch / BASE_BATCH),
                      warmup=max(1, round(WARMUP_PAIRS / batch)), eval_every=max(1, steps // EVALS),
                      gen_every=10**9, eval_batch_size=64, generate=False)
-
-
-def _fingerprint(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _load(path: Path, fingerprint: str):
-    if path.is_file():
-        data = json.loads(path.read_text())
-        if data.get("fingerprint") == fingerprint:
-            return data
-    return None
-
-
-def _save(path: Path, data: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
 
 
 class Regimes:
