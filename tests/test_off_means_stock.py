@@ -7,10 +7,9 @@ compact head, estimators, replay into TRL's loss) at the identity probabilities,
 
 import pytest
 import torch
-from peft import LoraConfig
 from trl import DPOConfig, DPOTrainer
 
-from tiny import build_trainer, first_batch, loss_and_grads, tiny_model
+from tiny import build_trainer, first_batch, lora_trainer, loss_and_grads
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 LOSS_CASES = [
@@ -79,18 +78,8 @@ def test_equal_stock_with_precomputed_reference(tokenizer, dataset, tmp_path):
 @pytest.mark.parametrize("precompute", [False, True])
 def test_equal_stock_with_peft(tokenizer, dataset, tmp_path, precompute):
     def make(trainer_cls, config_cls, out):
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        model = tiny_model(tokenizer)
-        args = config_cls(output_dir=str(out), per_device_train_batch_size=4, max_steps=1, report_to="none",
-                          bf16=False, precompute_ref_log_probs=precompute, learning_rate=1e-3)
-        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                              peft_config=lora)
-        with torch.no_grad():  # move the adapter off zero so the policy differs from the reference
-            g = torch.Generator().manual_seed(5)
-            for name, p in trainer.model.named_parameters():
-                if "lora_B" in name and ".default." in name:
-                    p.add_(0.1 * torch.randn(p.shape, generator=g))
-        return trainer
+        return lora_trainer(trainer_cls, config_cls, tokenizer, dataset, out, per_device_train_batch_size=4,
+                            precompute_ref_log_probs=precompute)
 
     assert_same_step(make(DPOTrainer, DPOConfig, tmp_path / "s"), make(PrunedDPOTrainer, PrunedDPOConfig, tmp_path / "p"),
                      machinery=not precompute)

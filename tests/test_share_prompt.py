@@ -8,11 +8,10 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
-from peft import LoraConfig
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import DPOConfig, DPOTrainer
 
-from conftest import build_trainer, first_batch, loss_and_grads, preference_rows, tiny_model
+from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, preference_rows, tiny_model
 from test_off_means_stock import assert_same_step
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.masks import PruneMasks
@@ -111,17 +110,8 @@ def test_peft_and_precomputed_reference(precompute, tokenizer, tmp_path):
     data = Dataset.from_list(edge_rows())
 
     def make(cls, config, out, **extra):
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        args = config(output_dir=str(tmp_path / out), per_device_train_batch_size=8, max_steps=1, report_to="none",
-                      bf16=False, precompute_ref_log_probs=precompute, learning_rate=1e-3, **extra)
-        trainer = cls(model=tiny_model(tokenizer), args=args, train_dataset=data, processing_class=tokenizer,
-                      peft_config=lora)
-        with torch.no_grad():  # move the adapter off zero so the policy differs from the reference
-            g = torch.Generator().manual_seed(5)
-            for name, p in trainer.model.named_parameters():
-                if "lora_B" in name and ".default." in name:
-                    p.add_(0.1 * torch.randn(p.shape, generator=g))
-        return trainer
+        return lora_trainer(cls, config, tokenizer, data, tmp_path / out, per_device_train_batch_size=8,
+                            precompute_ref_log_probs=precompute, **extra)
 
     shared = make(PrunedDPOTrainer, PrunedDPOConfig, "s", share_prompt=True)
     assert_same_step(make(DPOTrainer, DPOConfig, "stock"), shared, batch_size=8)

@@ -59,10 +59,8 @@ def preference_rows(n: int = 8, seed: int = 0):
     return rows
 
 
-BASE_ARGS = dict(
-    output_dir="unused",
-    per_device_train_batch_size=4,
-    per_device_eval_batch_size=4,
+# Quiet, short, fp32 training: the fields every test run shares (tests/distributed/run_pruned.py too).
+QUIET_TRAINING = dict(
     max_steps=2,
     learning_rate=1e-3,
     report_to="none",
@@ -72,6 +70,7 @@ BASE_ARGS = dict(
     disable_tqdm=True,
     dataloader_num_workers=0,
 )
+BASE_ARGS = dict(output_dir="unused", per_device_train_batch_size=4, per_device_eval_batch_size=4, **QUIET_TRAINING)
 
 
 def build_trainer(trainer_cls, config_cls, tokenizer, train_dataset, tmp_path, *, model=None, ref_model="copy",
@@ -128,3 +127,21 @@ def tiny_moe_model(tokenizer, family: str = "qwen3_moe", seed: int = 0, hidden: 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return getattr(transformers, model_name)(config)
+
+
+def lora_trainer(trainer_cls, config_cls, tokenizer, dataset, output_dir, **config):
+    """A trainer on a LoRA-wrapped tiny model whose adapter is moved off zero, so the policy differs from the reference
+    (the policy with its adapter disabled). `config`: the config's fields (output_dir apart)."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    args = config_cls(output_dir=str(output_dir), report_to="none", bf16=False, max_steps=1, learning_rate=1e-3,
+                      **config)
+    trainer = trainer_cls(model=tiny_model(tokenizer), args=args, train_dataset=dataset, processing_class=tokenizer,
+                          peft_config=lora)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name and ".default." in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return trainer

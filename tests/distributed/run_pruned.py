@@ -32,25 +32,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # the local tokenizer and model builder; the package, uninstalled
-from tiny import char_tokenizer, preference_rows, tiny_model  # noqa: E402
+from tiny import QUIET_TRAINING, char_tokenizer, preference_rows, tiny_model  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer  # noqa: E402
 
-BASE_CONFIG = dict(
-    per_device_train_batch_size=2,
-    max_steps=2,
-    learning_rate=1e-3,
-    report_to="none",
-    bf16=False,
-    logging_steps=1,
-    save_strategy="no",
-    disable_tqdm=True,
-    dataloader_num_workers=0,
-    seed=0,
-    max_length=64,
-)
+BASE_CONFIG = dict(QUIET_TRAINING, per_device_train_batch_size=2, seed=0, max_length=64)
 
 
 STORED_REFERENCE = ("ref_chosen_logps", "ref_rejected_logps", "ref_chosen_token_logps", "ref_rejected_token_logps")
