@@ -565,15 +565,19 @@ class PrunedDPOTrainer(DPOTrainer):
             loss = self._compute_loss(replay, batch, return_outputs=False)
         finally:
             self.precompute_ref_logps = precompute
-        self._log_pruned_metrics(per_token, inputs)
-        self._relabel_stock_metrics(per_token)
+        common_prefix_totals = self._log_pruned_metrics(per_token, inputs)
+        self._relabel_stock_metrics(common_prefix_totals)
         return loss
 
     def _count(self, name: str, value: int):
         self.last_prune_stats[name] = self.last_prune_stats.get(name, 0) + int(value)
 
     def _log_pruned_metrics(self, per_token, inputs):
-        """The `prune/` fractions, and TRL's token accuracy re-estimated from the scored positions only."""
+        """The `prune/` fractions, and TRL's token accuracy re-estimated from the scored positions only.
+
+        One gather (the step's one sync). With `prune_common_prefix`, returns the summed (chosen top-1 estimate,
+        entropy, exact positions, chosen logits, chosen exact positions, rejected logits, rejected exact positions)
+        for `_relabel_stock_metrics`; else None."""
         masks, stats = self._last_masks, self.last_prune_stats
         chosen_weights = masks.weights.chunk(2)[0]
         chosen_top1 = per_token["is_top1"].chunk(2)[0].float()
@@ -592,8 +596,15 @@ class PrunedDPOTrainer(DPOTrainer):
         ).to(self.accelerator.device, non_blocking=True)
         top1_estimate = (chosen_top1 * chosen_weights).sum().double().reshape(1)
         counts = torch.cat([counts[:-1], top1_estimate, counts[-1:]])  # device values: the one sync is below
+        if self.args.prune_common_prefix:  # the sums `_relabel_stock_metrics` needs ride on the same gather
+            exact_w, exact_l = masks.exact.chunk(2)
+            mean_logits_w, mean_logits_l = per_token["mean_logits"].chunk(2)
+            counts = torch.cat([counts, torch.stack([
+                per_token["entropy"].sum(), masks.exact.sum(),
+                mean_logits_w.sum(), exact_w.sum(), mean_logits_l.sum(), exact_l.sum(),
+            ]).double()])
         totals = self.accelerator.gather(counts.unsqueeze(0)).sum(dim=0).tolist()
-        (scored, response, executed, grad_tokens, full, grad_rows, rows, top1, chosen_tokens) = totals
+        (scored, response, executed, grad_tokens, full, grad_rows, rows, top1, chosen_tokens) = totals[:9]
         metrics = self._metrics["train"]
         if metrics["mean_token_accuracy"]:  # TRL counted only scored positions as correct; use the HT estimate
             metrics["mean_token_accuracy"][-1] = top1 / chosen_tokens if chosen_tokens > 0 else 0.0
@@ -604,9 +615,10 @@ class PrunedDPOTrainer(DPOTrainer):
         if self._share_backend is not None:  # which execution the cost model picked (docs/method.md)
             shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
             metrics["prune/pairs_shared"].append(shared / max(shared + split, 1))
+        return (top1, *totals[9:]) if self.args.prune_common_prefix else None
 
     # ------------------------------------------------------------------------------------------------- metric names
-    def _relabel_stock_metrics(self, per_token):
+    def _relabel_stock_metrics(self, common_prefix_totals):
         """Move this step's stock-named metrics that do not estimate what stock logs to names that say what they are.
 
         Stock-named metrics stay only where their expectation over the masks is stock's value: the per-branch sums
@@ -631,18 +643,7 @@ class PrunedDPOTrainer(DPOTrainer):
             move("rewards/accuracies", new="prune/rewards/accuracies_of_estimate")
         if not args.prune_common_prefix:
             return
-        masks = self._last_masks
-        exact_w, exact_l = masks.exact.chunk(2)
-        weights_w = masks.weights.chunk(2)[0]
-        mean_logits_w, mean_logits_l = per_token["mean_logits"].chunk(2)
-        sums = torch.stack([
-            per_token["entropy"].sum(), masks.exact.sum(),
-            mean_logits_w.sum(), exact_w.sum(), mean_logits_l.sum(), exact_l.sum(),
-            (per_token["is_top1"].chunk(2)[0].float() * weights_w).sum(),
-        ]).double().to(self.accelerator.device)
-        entropy, exact, logits_w, count_w, logits_l, count_l, top1_w = (
-            self.accelerator.gather(sums.unsqueeze(0)).sum(dim=0).tolist()
-        )
+        top1_w, entropy, exact, logits_w, count_w, logits_l, count_l = common_prefix_totals
         suffix = "_after_common_prefix"
         move("entropy", entropy / exact if exact else 0.0, "prune/entropy" + suffix)
         move("logits/chosen", logits_w / count_w if count_w else 0.0, "prune/logits/chosen" + suffix)
