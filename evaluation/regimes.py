@@ -5,18 +5,22 @@
 
 - regimes: ``near`` (the main study's near-copy pairs) and ``dissimilar`` (tasks.dissimilar_pairs: two different
   answers that differ from the first response token on);
-- batch sizes 8, 32 and 64 pairs per step, at the *same number of pairs seen* (PAIRS; so B = 64 does 1/8 of the
-  steps of B = 8), the learning rate scaled by the square-root rule for Adam (lr = 1e-4 * sqrt(B / 8); Malladi et al.
+- batch sizes 8, 32 and 64 pairs per step, at the *same number of steps* (STEPS; so B = 64 sees 8 times the pairs
+  of B = 8: the question is what pruning's extra noise costs a run of a given batch size, and a run of 4 large steps
+  says nothing), the learning rate scaled by the square-root rule for Adam (lr = 1e-4 * sqrt(B / 8); Malladi et al.
   2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms") and the warmup kept at 80 pairs;
 - per regime, at the starting policy with batches of 8 pairs: stock's simple noise scale B_simple = tr(Σ) / |G|²
   (McCandlish et al. 2018) and each setting's extra-noise ratio r (gradients.diagnose, "noise / SGD noise"), so that
   each cell can be checked against the 1 + B_simple (1 + r) / B model.
 
+Runs are grouped one process per (regime, seed) so the imports are paid once per group, not per run.
 Results: ``<out>/<regime>-b<B>/runs/<setting>-s<seed>.json`` (one file per run, reused when its fingerprint matches),
 ``<out>/gradients-<regime>.json``; the report is the "Regimes" section of docs/quality.md (``--docs``).
 """
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import statistics
@@ -35,17 +39,16 @@ BATCHES = (8, 32, 64)
 SETTINGS = ("stock", "branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp")
 DIAGNOSED = ("branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp")
 SEEDS = (0, 1, 2, 3, 4)
-PAIRS = 256  # pairs seen at the equal-steps budget, every batch size
+STEPS = 24  # the equal-steps budget N, every batch size (B = 64 sees 1536 pairs by N, 3/4 of the training split)
 N_TRAIN, N_TEST, N_SFT, SFT_STEPS = 2048, 128, 16384, 1000  # the main study's starting policy and splits
-N_HELD_OUT = 64  # held-out pairs evaluated (the first of the 128 test pairs): evaluation dominates a run's cost
+N_HELD_OUT = 128  # held-out pairs evaluated (all the test pairs)
 BASE_LR, BASE_BATCH, WARMUP_PAIRS = 1e-4, 8, 80
-EVALS = 4  # evaluations up to the equal-steps budget (+ 2 beyond it; each is costly on a shared CPU)
+EVALS = 6  # evaluations up to the equal-steps budget (+ 3 beyond it)
 
 
-def run_config(batch: int, pairs: int = PAIRS):
+def run_config(batch: int, steps: int = STEPS):
     from .train import RunConfig
 
-    steps = max(pairs // batch, 4)
     return RunConfig(steps=steps, pruned_steps_factor=1.5, batch_size=batch,
                      learning_rate=BASE_LR * math.sqrt(batch / BASE_BATCH),
                      warmup=max(1, round(WARMUP_PAIRS / batch)), eval_every=max(1, steps // EVALS),
@@ -53,10 +56,11 @@ def run_config(batch: int, pairs: int = PAIRS):
 
 
 class Regimes:
-    def __init__(self, out: Path, pairs: int = PAIRS, n_test: int = N_TEST, quick: bool = False):
+    def __init__(self, out: Path, steps: int = STEPS, n_test: int = N_TEST, quick: bool = False):
         from .sft import SFTSpec
 
-        self.out, self.pairs, self.n_test, self.quick = out, pairs, n_test, quick
+        self.out, self.steps, self.n_test, self.quick = out, steps, n_test, quick
+        self._data_keys = {}
         if quick:
             self.sft = SFTSpec(quick=True, n_examples=256, steps=10, n_train=64, n_test=n_test)
             self.n_train = 64
@@ -78,12 +82,19 @@ class Regimes:
     def path(self, regime, batch, setting, seed) -> Path:
         return self.out / f"{regime}-b{batch}" / "runs" / f"{setting}-s{seed}.json"
 
+    def data_key(self, regime) -> str:
+        """A hash of the regime's rows: a changed task (tasks.py) invalidates its cached runs."""
+        if regime not in self._data_keys:
+            text = json.dumps(self.splits(regime), sort_keys=True).encode()
+            self._data_keys[regime] = hashlib.sha256(text).hexdigest()[:12]
+        return self._data_keys[regime]
+
     def fingerprint(self, regime, batch, setting, seed) -> str:
         from .quality import _setting_key
         from .settings import SETTINGS as ALL
 
-        return _fingerprint(self.sft.key(), regime, self.n_test, asdict(run_config(batch, self.pairs)),
-                            _setting_key(ALL[setting]), seed)
+        return _fingerprint(self.sft.key(), regime, self.data_key(regime), self.n_test,
+                            asdict(run_config(batch, self.steps)), _setting_key(ALL[setting]), seed)
 
     def train_one(self, regime, batch, setting, seed):
         from .settings import SETTINGS as ALL
@@ -96,7 +107,7 @@ class Regimes:
         splits = self.splits(regime)
         started = time.perf_counter()
         record = run(ALL[setting], seed, self.policy(), as_dataset(splits["train"]), as_dataset(splits["test"]), [],
-                     run_config(batch, self.pairs), log=lambda m: None)
+                     run_config(batch, self.steps), log=lambda m: None)
         record.update(fingerprint=fp, regime=regime, batch=batch)
         _save(path, record)
         print(f"  {regime}-b{batch} {setting} s{seed}: {time.perf_counter() - started:.0f}s, final pref "
@@ -107,27 +118,32 @@ class Regimes:
 
         self.policy()
         # Seeds outermost and stock first, so a study cut short has complete seeds to compare.
-        todo = [(r, b, s, seed) for seed in seeds for r in regimes for b in batches for s in settings
-                if not _load(self.path(r, b, s, seed), self.fingerprint(r, b, s, seed))]
-        print(f"{len(todo)} runs to do", flush=True)
+        groups = []
+        for seed in seeds:
+            for regime in regimes:
+                todo = [f"{b}:{s}" for b in batches for s in settings
+                        if not _load(self.path(regime, b, s, seed), self.fingerprint(regime, b, s, seed))]
+                if todo:
+                    groups.append((regime, seed, todo))
+        print(f"{sum(len(g[2]) for g in groups)} runs to do in {len(groups)} processes", flush=True)
 
-        def one(item):
-            regime, batch, setting, seed = item
-            command = [sys.executable, "-m", "evaluation.regimes", "--one", regime, str(batch), setting, str(seed),
-                       "--out", str(self.out), "--pairs", str(self.pairs), *extra]
+        def one(group):
+            regime, seed, todo = group
+            command = [sys.executable, "-m", "evaluation.regimes", "--group", regime, str(seed), *todo,
+                       "--out", str(self.out), "--steps", str(self.steps), *extra]
             return subprocess.run(command, cwd=REPO, check=False).returncode
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            failed = [item for item, code in zip(todo, pool.map(one, todo)) if code != 0]
+            failed = [group[:2] for group, code in zip(groups, pool.map(one, groups)) if code != 0]
         if failed:
-            raise SystemExit(f"runs failed: {failed}")
+            raise SystemExit(f"groups failed: {failed}")
 
     def gradients(self, regimes):
         """B_simple and each setting's r per regime, at the starting policy, batches of 8 pairs."""
         from .gradients import diagnose
         from .settings import SETTINGS as ALL
 
-        cfg = run_config(BASE_BATCH, self.pairs)
+        cfg = run_config(BASE_BATCH, self.steps)
         sgd_batches, diag_batches, draws = (4, 1, 2) if self.quick else (16, 4, 8)
         for regime in regimes:
             path = self.out / f"gradients-{regime}.json"
@@ -159,9 +175,9 @@ def main(argv=None):
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
-    parser.add_argument("--pairs", type=int, default=PAIRS, help="pairs seen at the equal-steps budget")
+    parser.add_argument("--steps", type=int, default=STEPS, help="the equal-steps budget N, every batch size")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI's smoke test)")
-    parser.add_argument("--one", nargs=4, metavar=("REGIME", "BATCH", "SETTING", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--group", nargs="+", metavar="REGIME SEED BATCH:SETTING", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     for key, value in (("TQDM_DISABLE", "1"), ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
@@ -182,10 +198,12 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
 
-    study = Regimes(args.out, pairs=args.pairs, n_test=16 if args.quick else N_HELD_OUT, quick=args.quick)
-    if args.one:
-        regime, batch, setting, seed = args.one
-        study.train_one(regime, int(batch), setting, int(seed))
+    study = Regimes(args.out, steps=args.steps, n_test=16 if args.quick else N_HELD_OUT, quick=args.quick)
+    if args.group:
+        regime, seed, *runs = args.group
+        for item in runs:
+            batch, setting = item.split(":")
+            study.train_one(regime, int(batch), setting, int(seed))
         return 0
     extra = ["--quick"] if args.quick else []
     if args.stage in ("all", "train"):

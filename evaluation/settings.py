@@ -64,8 +64,10 @@ _ALL = [
     Setting("posprefix_cp_shared", "position + prefix 0.5 + common prefix, masks per pair",
             {**POSITION, **PREFIX, **CP}, mask_law=PAIR),
     # The regimes study (evaluation/regimes.py): `auto` chooses the branch and position probabilities itself.
-    Setting("auto_cp", "auto branch + position, prefix 0.5 + common prefix",
-            {"branch_keep_prob": "auto", "position_keep_prob": "auto", **PREFIX, **CP}),
+    # Everything a user can leave to the trainer: the exact savings (common prefix, each pair's prompt executed once)
+    # and the branch and position probabilities auto.py chooses; prefix pruning is the user's own choice, left off.
+    Setting("auto_cp", "auto branch + position, common prefix + shared prompt",
+            {"branch_keep_prob": "auto", "position_keep_prob": "auto", **CP, "share_prompt": True}),
     # Diagnostics-only grid.
     Setting("branch_ind", "branch 0.5 independent", {**BRANCH, "branch_sampling": "independent"}),
     Setting("branch_bal", "branch 0.5, balanced", BRANCH, balanced=True),

@@ -126,6 +126,9 @@ def far_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
     return out
 
 
+LABEL_NOISE = 0.1  # share of dissimilar pairs whose preference label is swapped
+
+
 def dissimilar_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
     """The dissimilar-pairs regime: two different answers of different quality, not a planted mistake.
 
@@ -135,6 +138,10 @@ def dissimilar_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
     the first response token on at most positions: count, the same number of numbers counted from another start
     (shifted by 10 to 30 where the range allows, with a different first digit where one exists); sort, the same items sorted descending.
     (Like UltraFeedback-style pairs, nothing aligns the two answers, so a common prefix is rare and short.)
+
+    A fraction LABEL_NOISE of the pairs, train and held-out alike, have their labels swapped, as annotators disagree on
+    real preference data (UltraFeedback-style sets: 20-30%): without it stock DPO saturates this task (held-out
+    accuracy 0.97 after a few hundred pairs), and the extra noise of pruning could not show.
     """
     rng = random.Random(f"trl-pruned-dpo/quality/dissimilar/{seed}")
     out = []
@@ -151,7 +158,10 @@ def dissimilar_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
             wrong = [str(v) for v in sorted(map(int, answer), reverse=True)]
             if wrong == answer:  # one item, or all equal: a neighbouring number instead
                 wrong = [str(int(v) + 1 if int(v) < 99 else int(v) - 1) for v in answer]
-        out.append({"prompt": row["prompt"] + " ", "chosen": " ".join(answer), "rejected": " ".join(wrong)})
+        chosen, rejected = " ".join(answer), " ".join(wrong)
+        if rng.random() < LABEL_NOISE:
+            chosen, rejected = rejected, chosen
+        out.append({"prompt": row["prompt"] + " ", "chosen": chosen, "rejected": rejected})
     return out
 
 

@@ -81,25 +81,41 @@ def test_overlap_separates_near_copies_from_different_answers():
 
 
 def test_choice_follows_the_noise_model():
-    common = dict(r_branch=2.0, r_position=1.0, near_copy_fraction=0.0, head=0.2, reference=True, branch_auto=True,
-                  position_auto=True)
+    common = dict(r_branch=2.0, r_position=1.0, near_copy_fraction=0.0, head=0.2, branch_auto=True,
+                  position_auto=True, branch_half_cost=0.75)
     # Far above the noise scale, extra noise is nearly free: prune.
     big = auto.choose(b_simple=4.0, batch=256, **common)
-    assert big.branch_keep_prob < 1 and big.time_ratio < 0.9
+    assert big.branch_keep_prob < 1 and big.time_ratio < 0.9 and big.reason.startswith("prune")
     # Below it, extra noise costs steps in proportion: keep everything.
     small = auto.choose(b_simple=400.0, batch=8, **common)
     assert (small.branch_keep_prob, small.position_keep_prob, small.time_ratio) == (1.0, 1.0, 1.0)
+    assert small.reason.startswith("keep everything")
     # No usable measurement: keep everything.
     unknown = auto.choose(b_simple=math.inf, batch=256, **common)
     assert (unknown.branch_keep_prob, unknown.position_keep_prob) == (1.0, 1.0)
-    # Near-copies save nothing by branch pruning (they keep both), so an all-near-copy batch keeps 1.
-    near = auto.choose(b_simple=4.0, batch=256, **{**common, "near_copy_fraction": 1.0, "r_position": 50.0})
+    # A branch draw that saves no work (every pair a near-copy, or nothing to freeze) is never worth its noise.
+    near = auto.choose(b_simple=4.0, batch=256, **{**common, "branch_half_cost": 1.0, "r_position": 50.0})
     assert near.branch_keep_prob == 1.0
     # The expected time of the choice is the model's (A1) ratio.
-    expected = auto.relative_step_cost(big.branch_keep_prob, big.position_keep_prob, 0.2, True) * auto.steps_factor(
+    expected = auto.relative_step_cost(big.branch_keep_prob, 0.75, big.position_keep_prob, 0.2) * auto.steps_factor(
         4.0, auto.extra_noise(2.0, big.branch_keep_prob) + auto.extra_noise(1.0, big.position_keep_prob), 256
     ) / auto.steps_factor(4.0, 0.0, 256)
     assert big.time_ratio == pytest.approx(expected)
+
+
+def test_choice_keeps_quality_at_equal_steps():
+    """Where the cheapest setting by time would cost more than MAX_STEP_INFLATION extra steps, a gentler one (or none)
+    is chosen: B = 32 against B_simple = 8 and r = 1.3 (the dissimilar pairs of docs/quality.md) would prune at 0.5
+    for a 0.92 time ratio but 23% more steps."""
+    args = dict(r_branch=1.3, r_position=0.0, near_copy_fraction=0.0, head=0.0, branch_auto=True,
+                position_auto=False, branch_half_cost=0.75)
+    choice = auto.choose(b_simple=8.0, batch=32, **args)
+    r = auto.extra_noise(1.3, choice.branch_keep_prob)
+    assert auto.steps_factor(8.0, r, 32) / auto.steps_factor(8.0, 0.0, 32) <= 1 + auto.MAX_STEP_INFLATION
+    assert choice.branch_keep_prob > 0.5
+    # The user's fixed families' noise counts too: with it, nothing more is pruned.
+    loaded = auto.choose(b_simple=8.0, batch=32, r_fixed=0.6, **args)
+    assert loaded.branch_keep_prob >= choice.branch_keep_prob
 
 
 def test_config_accepts_auto(tmp_path):
@@ -146,10 +162,32 @@ def test_trainer_logs_its_choice_and_measures_cheaply(tokenizer, mixed_dataset, 
     # Measurement work: policy rows it ran, over MEASURE_EVERY steps of 32 policy rows (+ the one-row empty groups).
     step_rows = 2 * 16
     measured = sum(rows) - 2 * step_rows - 2  # 2 training steps (each may add one empty-group row)
-    assert 0 < measured <= 3 * 2 * auto.MEASURE_PAIRS + 6
+    m = min(auto.MEASURE_PAIRS, 16)
+    # exact groups, one branch draw and one position draw, each over m pairs in GROUPS passes (+ one empty-group row each)
+    assert 0 < measured <= 3 * 2 * m + 3 * 2 * auto.GROUPS
     assert measured / (auto.MEASURE_EVERY * step_rows) <= 0.03
     # Metrics of the measurement passes were dropped: one training loss per logged step.
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2]
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_measurement_counts_the_work_saved_and_the_users_fixed_pruning(tokenizer, mixed_dataset, tmp_path,
+                                                                        share_prompt):
+    """The branch draw's work is measured through the forward the run uses, and a fixed prefix pruning the user chose
+    adds its own noise to every choice. Unshared, freezing half the far pairs' rows saves backward work; with each
+    prompt executed once, these short responses leave nothing to save (the frozen branch would need its own pass),
+    and then branch pruning is never chosen."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset, tmp_path,
+                            per_device_train_batch_size=16, max_steps=1, branch_keep_prob="auto",
+                            prefix_prune_prob=0.5, share_prompt=share_prompt, use_cpu=True)
+    trainer.train()
+    record = trainer._auto_probs.history[0]
+    if share_prompt:
+        assert record["branch_half_cost"] > 0.95 and record["branch_keep_prob"] == 1.0
+    else:
+        assert 0.5 < record["branch_half_cost"] < 1.0
+    assert record["r_fixed"] > 0 and math.isfinite(record["r_fixed"])
+    assert record["reason"].startswith(("prune", "keep everything"))
 
 
 def test_measurement_does_not_move_the_draws(tokenizer, mixed_dataset, tmp_path):

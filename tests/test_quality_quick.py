@@ -103,7 +103,7 @@ def test_regimes_quick_smoke(tmp_path):
     env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run(
-        [sys.executable, "-m", "evaluation.regimes", "--quick", "--pairs", "16", "--seeds", "0", "--batches", "8",
+        [sys.executable, "-m", "evaluation.regimes", "--quick", "--steps", "2", "--seeds", "0", "--batches", "8",
          "--regimes", "dissimilar", "--settings", "stock", "auto_cp", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )

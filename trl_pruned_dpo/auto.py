@@ -10,8 +10,11 @@ r(p) = Var(pruned - exact) / Var(minibatch) per pair. c(p) is the relative cost 
 pairs per optimizer step, B_simple = tr(Σ) / |G|² the simple noise scale. Pruning pays when B >> B_simple (1 + r):
 then its extra noise is nearly free; when B <~ B_simple it costs steps in proportion.
 
+Among the settings (A1) predicts to cost at most MAX_STEP_INFLATION more steps (so quality at equal steps is kept),
+the cheapest is chosen; where none saves MIN_GAIN, everything is kept (the exact gradient).
+
 Everything here is a pure function of tensors and numbers except `AutoKeepProbs`, which the trainer owns: it measures
-B_simple and r on a few pairs of the current batch at fixed steps (exact half-batch gradients and one pruned draw,
+B_simple and r on a few pairs of the current batch at fixed steps (exact gradients of GROUPS groups and one pruned draw,
 with `torch.autograd.grad`, so nothing touches `.grad`), and chooses the probabilities of each draw *before* that draw
 (they depend on past measurements and on the batch's tokens only, never on the draw), so the estimators stay unbiased.
 Per pair, near-copies (chosen and rejected equal on most aligned positions) keep both branches: their per-branch
@@ -30,9 +33,11 @@ from .plan import HostBatch
 logger = logging.getLogger(__name__)
 
 MEASURE_EVERY = 200  # optimizer steps between measurements (the first is at step 0)
-MEASURE_PAIRS = 16  # pairs of the current batch a measurement uses (split in two halves for B_simple)
+MEASURE_PAIRS = 32  # pairs of the current batch a measurement uses, at most
+GROUPS = 4  # the measured pairs are split in this many groups for B_simple (k - 1 degrees of freedom for tr(Σ))
 NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
 MIN_GAIN = 0.05  # prune only when (A1) predicts at least this saving: the measurements are noisy
+MAX_STEP_INFLATION = 0.10  # and only where (A1) predicts at most 10% more steps to a loss than the exact gradient
 BRANCH_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 POSITION_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 EMA = 0.5  # weight of a new measurement in the running estimates
@@ -72,13 +77,15 @@ def head_share(config) -> float:
     return head / (head + layers * (4 * d * d + 3 * d * ffn))
 
 
-def relative_step_cost(backprop_fraction: float, position_keep_prob: float, head: float, reference: bool) -> float:
-    """c(p): a step's cost over the unpruned step's, in token units: policy forward 1, backward 2 (on backpropagated
-    rows only), reference forward 1 (0 when precomputed); position pruning saves the head's share of what is not
-    scored."""
-    ref = 1.0 if reference else 0.0
-    work = (1.0 + ref + 2.0 * backprop_fraction) / (3.0 + ref)
-    return work * (1.0 - head * (1.0 - position_keep_prob))
+def relative_step_cost(branch_keep_prob: float, branch_half_cost: float, position_keep_prob: float,
+                       head: float) -> float:
+    """c(p): a step's work over the unpruned step's. Branch pruning: the expected work is linear in the keep
+    probability, through `branch_half_cost`, the work of a draw at p = 1/2 over the exact work on the same pairs,
+    *measured* in the plan's token units (forward 1, backward 2, reference forward 1), so it counts whatever the
+    forward shares exactly (common prefix, the prompt executed once per pair) and the near-copies that keep both
+    branches. Position pruning saves the head's share of what is not scored."""
+    branch = 1.0 - 2.0 * (1.0 - branch_keep_prob) * (1.0 - branch_half_cost)
+    return branch * (1.0 - head * (1.0 - position_keep_prob))
 
 
 def extra_noise(r_half: float, keep_prob: float) -> float:
@@ -101,33 +108,48 @@ class Choice:
 
 
 def choose(b_simple: float, r_branch: float, r_position: float, batch: int, near_copy_fraction: float, head: float,
-           reference: bool, branch_auto: bool, position_auto: bool, branch_fixed: float = 1.0,
-           position_fixed: float = 1.0) -> Choice:
-    """Minimise (A1) over the grids (a fixed probability where that family is not "auto"). Near-copy pairs keep both
-    branches whatever is chosen, so only the other pairs' rows save backward work. Ties go to the larger
-    probability, and pruning must win by MIN_GAIN, else the exact setting is kept."""
+           branch_auto: bool, position_auto: bool, branch_half_cost: float = 0.75, r_fixed: float = 0.0,
+           branch_fixed: float = 1.0, position_fixed: float = 1.0) -> Choice:
+    """Minimise (A1) over the grids (a fixed probability where that family is not "auto"), among the settings that
+    (A1) predicts cost at most MAX_STEP_INFLATION more steps than the exact gradient, the noise `r_fixed` of the
+    user's fixed families included (so where that alone is over the limit, "auto" adds nothing): a run keeps its
+    quality at equal steps, and time is saved only where pruning's noise is cheap.
+    Pruning must also win by MIN_GAIN, else the exact setting is kept. Near-copy pairs keep both branches whatever is
+    chosen; their share is in `branch_half_cost` (measured) and scales the branch noise."""
     branches = BRANCH_GRID if branch_auto else (branch_fixed,)
     positions = POSITION_GRID if position_auto else (position_fixed,)
+    exact = (1.0 if branch_auto else branch_fixed, 1.0 if position_auto else position_fixed)
     if not math.isfinite(b_simple):
-        return Choice(branches[-1] if branch_auto else branch_fixed, positions[-1] if position_auto else position_fixed,
-                      1.0, "no usable noise measurement: keep everything")
+        return Choice(*exact, 1.0, "no usable noise measurement: keep everything")
+    half_cost = branch_half_cost if branch_auto else 1.0
+
+    def noise(pb, pp):
+        far = 1.0 - near_copy_fraction
+        return r_fixed + (far * extra_noise(r_branch, pb) if branch_auto else 0.0) + \
+            (extra_noise(r_position, pp) if position_auto else 0.0)
+
+    def cost(pb, pp):
+        return relative_step_cost(pb if branch_auto else 1.0, half_cost, pp, head)
 
     def expected(pb, pp):
-        fraction = near_copy_fraction + (1.0 - near_copy_fraction) * pb
-        r = (1.0 - near_copy_fraction) * extra_noise(r_branch, pb) + extra_noise(r_position, pp)
-        return relative_step_cost(fraction, pp, head, reference) * steps_factor(b_simple, r, batch)
+        return cost(pb, pp) * steps_factor(b_simple, noise(pb, pp), batch)
 
-    base = expected(1.0 if branch_auto else branch_fixed, 1.0 if position_auto else position_fixed)
-    best = (1.0 if branch_auto else branch_fixed, 1.0 if position_auto else position_fixed)
-    best_value = base
+    base = expected(*exact)
+    best, best_value = exact, base
     for pb in sorted(branches, reverse=True):
         for pp in sorted(positions, reverse=True):
             value = expected(pb, pp)
-            if value < best_value * (1.0 - 1e-9) and value <= base * (1.0 - MIN_GAIN):
+            inflation = steps_factor(b_simple, noise(pb, pp), batch) / steps_factor(b_simple, 0.0, batch)
+            if value < best_value * (1.0 - 1e-9) and value <= base * (1.0 - MIN_GAIN) and \
+                    inflation <= 1.0 + MAX_STEP_INFLATION:
                 best, best_value = (pb, pp), value
-    reason = (f"B_simple {b_simple:.1f} vs B {batch}; extra noise at p=0.5: branch {r_branch:.2f}, position "
-              f"{r_position:.2f}; {near_copy_fraction:.0%} near-copy pairs keep both branches; expected time to "
-              f"a loss x{best_value / base:.2f} of unpruned")
+    work = cost(*best) / cost(*exact)
+    verdict = "prune" if best != exact else "keep everything (no setting saves 5% within +10% steps)"
+    steps = steps_factor(b_simple, noise(*best), batch) / steps_factor(b_simple, 0.0, batch)
+    reason = (f"{verdict}: gradient noise scale B_simple {b_simple:.1f} vs {batch} pairs per step; pruning at 0.5 adds "
+              f"{r_branch:.2f}x (branch) and {r_position:.2f}x (position) the minibatch noise; "
+              f"{near_copy_fraction:.0%} near-copy pairs keep both branches; predicted steps x{steps:.2f}, work per "
+              f"step x{work:.2f}, time to a loss x{best_value / base:.2f}")
     return Choice(best[0], best[1], best_value / base, reason)
 
 
@@ -190,14 +212,14 @@ def _subset(inputs: dict, pair_index: torch.Tensor, pairs: int) -> dict:
 class AutoKeepProbs:
     """Owned by the trainer when a keep probability is "auto": measures, chooses, and logs why."""
 
-    def __init__(self, args, model_config, reference: bool):
+    def __init__(self, args, model_config):
         self.branch_auto = args.branch_keep_prob == "auto"
         self.position_auto = args.position_keep_prob == "auto"
         self.args = args
         self.head = head_share(model_config)
-        self.reference = reference
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.noise = NoiseEstimates()
+        self.branch_half_cost = 1.0  # measured work of a branch draw at p = 1/2 over the exact work (relative_step_cost)
         self.choice = Choice(1.0, 1.0, 1.0, "before the first measurement: keep everything")
         self.measure_seconds = 0.0
         self.measure_tokens = 0  # work of the measurements in the trainer's token units (forward 1, backward 2)
@@ -205,7 +227,8 @@ class AutoKeepProbs:
         self._measured_step = -1
 
     # ------------------------------------------------------------------------------------------------ measurement
-    def _gradient(self, trainer, model, inputs, options: dict) -> torch.Tensor:
+    def _gradient(self, trainer, model, inputs, options: dict) -> tuple[torch.Tensor, int]:
+        """The flat gradient of the package's loss under `options`, and the work it took (token units)."""
         params = [p for p in model.parameters() if p.requires_grad]
         from .trainer import PrunedDPOTrainer  # the package's own loss: subclasses' bookkeeping sees no extra step
 
@@ -215,43 +238,70 @@ class AutoKeepProbs:
         finally:
             trainer._forced_mask_options = None
         stats = trainer.last_prune_stats
-        self.measure_tokens += stats.get("policy_tokens_executed", 0) + 2 * stats.get("grad_tokens_executed", 0) \
+        work = stats.get("policy_tokens_executed", 0) + 2 * stats.get("grad_tokens_executed", 0) \
             + stats.get("reference_tokens_executed", 0)
+        self.measure_tokens += work
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in
                           zip(grads, params)])
+        return flat, work
+
+    def _fixed_families_prune(self, base_options: dict) -> bool:
+        return (not self.branch_auto and float(base_options["branch_keep_prob"]) < 1.0) or \
+            (not self.position_auto and float(base_options["position_keep_prob"]) < 1.0) or \
+            base_options["prefix_prune_prob"] > 0.0
 
     def measure(self, trainer, model, inputs, base_options: dict, generator: torch.Generator):
-        """Exact gradients on two halves of up to MEASURE_PAIRS pairs (B_simple), and one pruned draw per "auto"
-        family at p = 1/2 on the same pairs (r). Trainer metrics and counters are restored afterwards."""
+        """Exact gradients on GROUPS disjoint groups of up to MEASURE_PAIRS pairs (B_simple), and on the same pairs
+        one pruned draw per "auto" family at p = 1/2 (its r, and for branches its work), plus one draw at the user's
+        fixed probabilities when those prune (their r, counted by every choice). Trainer metrics and counters are
+        restored afterwards."""
         started = time.perf_counter()
         pairs = inputs["input_ids"].size(0) // 2
-        m = min(MEASURE_PAIRS, pairs) // 2 * 2
-        if m < 2:
+        groups = min(GROUPS, pairs)
+        m = min(MEASURE_PAIRS, pairs) // groups * groups
+        if groups < 2:
             return
         metrics = {k: len(v) for k, v in trainer._metrics["train"].items()}
         stats, masks = dict(trainer.last_prune_stats), getattr(trainer, "_last_masks", None)
         exact = {**base_options, "position_keep_prob": 1.0, "prefix_prune_prob": 0.0, "branch_keep_prob": 1.0,
                  "generator": generator}
         index = torch.randperm(pairs, generator=generator)[:m]
-        half_a, half_b = _subset(inputs, index[: m // 2], pairs), _subset(inputs, index[m // 2 :], pairs)
-        g_a = self._gradient(trainer, model, half_a, exact)
-        g_b = self._gradient(trainer, model, half_b, exact)
-        g = (g_a + g_b) / 2
-        self.noise.small, self.noise.big = m // 2, m
-        self.noise.update("small2", (float(g_a.pow(2).sum()) + float(g_b.pow(2).sum())) / 2)
+        chunks = [_subset(inputs, chunk, pairs) for chunk in index.chunk(groups)]
+        per_group = [self._gradient(trainer, model, chunk, exact) for chunk in chunks]
+        g = sum(grad for grad, _ in per_group) / groups
+        exact_work = sum(work for _, work in per_group)
+        # McCandlish et al. App. A.1 with small = m / k pairs (the mean over groups) and big = m pairs.
+        self.noise.small, self.noise.big = m // groups, m
+        self.noise.update("small2", sum(float(grad.pow(2).sum()) for grad, _ in per_group) / groups)
         self.noise.update("big2", float(g.pow(2).sum()))
+
+        def draw(options: dict) -> tuple[torch.Tensor, int]:
+            """One draw over the m pairs, run in the same groups as the exact gradients (per-pair masks: the same law
+            as one draw over all m; the same packing, so its work compares with `exact_work`)."""
+            runs = [self._gradient(trainer, model, chunk, {**exact, **options(chunk)}) for chunk in chunks]
+            return sum(grad for grad, _ in runs) / groups, sum(work for _, work in runs)
+
         both = _subset(inputs, index, pairs)
         if self.branch_auto:
             overlap = pair_overlap(both["input_ids"], both["completion_mask"])
-            draw = self._gradient(trainer, model, both, {**exact, "branch_keep_prob": per_pair_branch_probs(overlap, 0.5)})
+            pruned, work = draw(lambda chunk: {"branch_keep_prob": per_pair_branch_probs(
+                pair_overlap(chunk["input_ids"], chunk["completion_mask"]), 0.5)})
             far = float((overlap < NEAR_COPY).double().mean())
             # per pair of the pairs that are pruned (near-copies add no extra noise)
-            extra = m * float((draw - g).pow(2).sum()) / max(far, 1.0 / m)
-            self.noise.update("branch", extra)
+            self.noise.update("branch", m * float((pruned - g).pow(2).sum()) / max(far, 1.0 / m))
+            self.branch_half_cost = work / max(exact_work, 1)
         if self.position_auto:
-            draw = self._gradient(trainer, model, both, {**exact, "position_keep_prob": 0.5})
-            self.noise.update("position", m * float((draw - g).pow(2).sum()))
+            pruned, _ = draw(lambda chunk: {"position_keep_prob": 0.5})
+            self.noise.update("position", m * float((pruned - g).pow(2).sum()))
+        if self._fixed_families_prune(base_options):
+            fixed = {**base_options, "generator": generator}
+            for name in ("branch", "position"):
+                if getattr(self, f"{name}_auto"):
+                    fixed[f"{name}_keep_prob"] = 1.0
+            # one draw over all m pairs: a prefix cut is one per micro-batch, and its noise depends on the batch's size
+            pruned, _ = self._gradient(trainer, model, both, fixed)
+            self.noise.update("fixed", m * float((pruned - g).pow(2).sum()))
         self.noise.measurements += 1
         for k, v in trainer._metrics["train"].items():
             del v[metrics.get(k, 0):]
@@ -287,16 +337,19 @@ class AutoKeepProbs:
         b_simple = self.noise.b_simple()
         r_branch = self.noise.ratio("branch") if self.branch_auto else 0.0
         r_position = self.noise.ratio("position") if self.position_auto else 0.0
-        if not (math.isfinite(r_branch) and math.isfinite(r_position)):
+        r_fixed = self.noise.ratio("fixed") if "fixed" in self.noise.extra else 0.0
+        if not (math.isfinite(r_branch) and math.isfinite(r_position) and math.isfinite(r_fixed)):
             b_simple = math.inf
         fixed_b = 1.0 if self.branch_auto else float(self.args.branch_keep_prob)
         fixed_p = 1.0 if self.position_auto else float(self.args.position_keep_prob)
-        self.choice = choose(b_simple, r_branch, r_position, self.batch, near, self.head, self.reference,
-                             self.branch_auto, self.position_auto, fixed_b, fixed_p)
+        self.choice = choose(b_simple, r_branch, r_position, self.batch, near, self.head, self.branch_auto,
+                             self.position_auto, self.branch_half_cost, r_fixed, fixed_b, fixed_p)
         record = {"step": step, "b_simple": b_simple, "r_branch": r_branch, "r_position": r_position,
-                  "near_copy_fraction": near, "branch_keep_prob": self.choice.branch_keep_prob,
+                  "r_fixed": r_fixed, "branch_half_cost": self.branch_half_cost, "near_copy_fraction": near,
+                  "branch_keep_prob": self.choice.branch_keep_prob,
                   "position_keep_prob": self.choice.position_keep_prob, "time_ratio": self.choice.time_ratio,
-                  "measure_seconds": self.measure_seconds, "measure_tokens": self.measure_tokens}
+                  "reason": self.choice.reason, "measure_seconds": self.measure_seconds,
+                  "measure_tokens": self.measure_tokens}
         self.history.append(record)
         logger.info(f"auto keep probabilities at step {step}: branch {self.choice.branch_keep_prob} (near-copies 1.0), "
                     f"position {self.choice.position_keep_prob}. Why: {self.choice.reason}.")

@@ -203,8 +203,7 @@ class PrunedDPOTrainer(DPOTrainer):
                 self.data_collator = _HostCopyCollator(self.data_collator)
             self._share_backend = self._shared_prompt_backend()
         if args.auto_keep_probs:
-            self._auto_probs = AutoKeepProbs(args, self.accelerator.unwrap_model(self.model).config,
-                                             reference=not args.precompute_ref_log_probs)
+            self._auto_probs = AutoKeepProbs(args, self.accelerator.unwrap_model(self.model).config)
 
     @property
     def _uses_pruned_forward(self) -> bool:
