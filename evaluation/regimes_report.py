@@ -112,6 +112,7 @@ def cell_summary(study, regime, batch, settings):
                 "r_branch": statistics.median(f["r_branch"] for f in first),
                 "r_position": statistics.median(f["r_position"] for f in first),
                 "near": statistics.median(f["near_copy_fraction"] for f in first),
+                "half_cost": statistics.median(f.get("branch_half_cost", math.nan) for f in first),
                 "overhead": statistics.median(_measure_cost(runs[s]) / _cost_at(runs[s], n) for s in seeds
                                               if runs[s].get("auto")),
             }
@@ -209,7 +210,7 @@ def render(study, regimes, batches, settings) -> str:
                     auto_lines.append(
                         f"| {regime} | {batch} | {a['branch']:g} ({', '.join(f'{v:g}' for v in a['branch_all'])}) | "
                         f"{a['position']:g} ({', '.join(f'{v:g}' for v in a['position_all'])}) | {a['near']:.0%} | "
-                        f"{a['b_simple']:.1f} | {a['r_branch']:.2f} | {a['r_position']:.2f} | "
+                        f"{a['b_simple']:.1f} | {a['r_branch']:.2f} | {a['r_position']:.2f} | {a['half_cost']:.2f} | "
                         f"{a['overhead']:.1%} |")
     lines += ["", "*model: steps x* is the critical-batch prediction of the steps to a given loss relative to stock, "
               "(1 + B_simple (1 + r) / B) / (1 + B_simple / B), from the noise table; a setting pays at equal work when "
@@ -217,11 +218,13 @@ def render(study, regimes, batches, settings) -> str:
     if auto_lines:
         lines += ["What `auto` chose (median over seeds of its first choice; in brackets every value it chose in any "
                   "seed and measurement), for the pairs that are not near-copies (near-copies always keep both "
-                  "branches), from what it measured, and the work its measurements took as a share of the run's work "
-                  "to N (one measurement, at step 0: a run this short pays it in full; a long run pays it once per "
-                  "MEASURE_EVERY = 200 steps):", "",
+                  "branches), from what it measured (B_simple, each family's r at p = 1/2, and the work of a branch "
+                  "draw at 1/2 over the exact work, through the run's own forward), and the work its measurements "
+                  "took as a share of the run's work to N (one measurement, at step 0: a run this short pays it in "
+                  "full; a long run pays it once per MEASURE_EVERY = 200 steps):", "",
                   "| regime | B | branch keep | position keep | near-copy pairs | B_simple (measured) | r branch @0.5 "
-                  "| r position @0.5 | measurement work (share of run to N) |", "|---|---|---|---|---|---|---|---|---|",
+                  "| r position @0.5 | branch work @0.5 | measurement work (share of run to N) |",
+                  "|---|---|---|---|---|---|---|---|---|---|",
                   *auto_lines, ""]
     if FINDINGS.is_file():
         lines += [FINDINGS.read_text().rstrip("\n"), ""]
