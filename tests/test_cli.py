@@ -196,7 +196,7 @@ def test_summary_averages_prune_metrics_and_says_na_without_them():
 
     args = SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=2, world_size=1,
                            position_keep_prob=1.0, prefix_prune_prob=0.5, prefix_min_ratio=0.5, branch_keep_prob=0.5,
-                           branch_sampling="paired", prune_common_prefix=False, output_dir="out")
+                           branch_sampling="paired", prune_common_prefix=False, share_prompt=False, output_dir="out")
     logs = [{"loss": 0.7, "rewards/accuracies": 0.5, "prune/tokens_executed": 0.8, "step": 5},
             {"loss": 0.6, "rewards/accuracies": 0.75, "prune/tokens_executed": 0.6, "step": 10},
             {"eval_rewards/accuracies": 0.625, "step": 10}, {"train_runtime": 3.0, "train_loss": 0.65, "step": 10}]
@@ -209,6 +209,12 @@ def test_summary_averages_prune_metrics_and_says_na_without_them():
     trainer.state.log_history = stock[-1:]  # fewer steps than logging_steps: only the closing entry
     text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
     assert "0.650 / n/a" in text and text.count("n/a") == 5
+    assert "auto chose" not in text
+    # With "auto": its last choice and the reason it gives.
+    choice = {"step": 0, "branch_keep_prob": 1.0, "position_keep_prob": 0.75, "reason": "prune: B_simple 3.0 vs 64"}
+    trainer._auto_probs = SimpleNamespace(history=[choice])
+    assert "auto chose               branch 1, position 0.75 at step 0: prune: B_simple 3.0 vs 64" in \
+        cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
 
 
 # --- bad input: one line, exit 2, no output folder -----------------------------------------------------------------

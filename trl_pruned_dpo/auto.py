@@ -147,7 +147,8 @@ def choose(b_simple: float, r_branch: float, r_position: float, batch: int, near
     verdict = "prune" if best != exact else "keep everything (no setting saves 5% within +10% steps)"
     steps = steps_factor(b_simple, noise(*best), batch) / steps_factor(b_simple, 0.0, batch)
     reason = (f"{verdict}: gradient noise scale B_simple {b_simple:.1f} vs {batch} pairs per step; pruning at 0.5 adds "
-              f"{r_branch:.2f}x (branch) and {r_position:.2f}x (position) the minibatch noise; "
+              f"{r_branch:.2f}x (branch) and {r_position:.2f}x (position) the minibatch noise"
+              f"{f', your fixed settings {r_fixed:.2f}x' if r_fixed else ''}; "
               f"{near_copy_fraction:.0%} near-copy pairs keep both branches; predicted steps x{steps:.2f}, work per "
               f"step x{work:.2f}, time to a loss x{best_value / base:.2f}")
     return Choice(best[0], best[1], best_value / base, reason)

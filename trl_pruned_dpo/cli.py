@@ -431,7 +431,8 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
         ("model", model_name if model_name == model_path else f"{model_name} -> {model_path}"),
         ("pruning", f"position_keep_prob={args.position_keep_prob} prefix_prune_prob={args.prefix_prune_prob} "
                     f"(min ratio {args.prefix_min_ratio}) branch_keep_prob={args.branch_keep_prob} "
-                    f"({args.branch_sampling}) prune_common_prefix={args.prune_common_prefix}"),
+                    f"({args.branch_sampling}) prune_common_prefix={args.prune_common_prefix} "
+                    f"share_prompt={args.share_prompt}"),
         ("steps", f"{state.global_step} ({pairs} pairs) in {fmt(train_log.get('train_runtime'), '{:.1f}')} s of "
                   f"training, {wall_seconds:.1f} s in all"),
         ("last loss / reward acc.", f"{fmt(last.get('loss'))} / {fmt(last.get('rewards/accuracies'))} "
@@ -440,6 +441,11 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
     if last_eval is not None:
         lines.append(("held-out reward acc.", f"{fmt(last_eval['eval_rewards/accuracies'])} "
                                               f"(step {last_eval.get('step')}, eval split)"))
+    auto = getattr(trainer, "_auto_probs", None)
+    if auto is not None and auto.history:  # what "auto" chose last, and why (trl_pruned_dpo/auto.py)
+        choice = auto.history[-1]
+        lines.append(("auto chose", f"branch {choice['branch_keep_prob']:g}, position {choice['position_keep_prob']:g} "
+                                    f"at step {choice['step']}: {choice['reason']}"))
     for key, label in _PRUNE_METRICS.items():
         share = _mean(history, key)
         suffix = {"prune/tokens_executed": " of the full graph", "prune/positions_scored": " of response positions"}
