@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 REGIME_NAMES = ("near", "dissimilar")
 BATCHES = (8, 32, 64)
-SETTINGS = ("stock", "branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp")
+SETTINGS = ("stock", "branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp", "auto_share_cp")
 DIAGNOSED = ("branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp")
 SEEDS = (0, 1, 2, 3, 4)
 STEPS = 24  # the equal-steps budget N, every batch size (B = 64 sees 1536 pairs by N, 3/4 of the training split)

@@ -64,9 +64,11 @@ _ALL = [
     Setting("posprefix_cp_shared", "position + prefix 0.5 + common prefix, masks per pair",
             {**POSITION, **PREFIX, **CP}, mask_law=PAIR),
     # The regimes study (evaluation/regimes.py): `auto` chooses the branch and position probabilities itself.
-    # Everything a user can leave to the trainer: the exact savings (common prefix, each pair's prompt executed once)
-    # and the branch and position probabilities auto.py chooses; prefix pruning is the user's own choice, left off.
-    Setting("auto_cp", "auto branch + position, common prefix + shared prompt",
+    # auto.py chooses the branch and position probabilities; prefix pruning is the user's own choice, left off. With
+    # the exact savings of the common prefix, and (auto_share_cp) of each pair's prompt executed once, packed.
+    Setting("auto_cp", "auto branch + position + common prefix",
+            {"branch_keep_prob": "auto", "position_keep_prob": "auto", **CP}),
+    Setting("auto_share_cp", "auto branch + position + common prefix + shared prompt (packed)",
             {"branch_keep_prob": "auto", "position_keep_prob": "auto", **CP, "share_prompt": True}),
     # Diagnostics-only grid.
     Setting("branch_ind", "branch 0.5 independent", {**BRANCH, "branch_sampling": "independent"}),
@@ -116,7 +118,8 @@ DIAGNOSED = [  # by family, the way a user picks: exact, branch, position, prefi
     "combined_cp_rows", "combined_cp", "combined_cp_shared", "combined_cp_shared_bal", "posprefix_cp",
     "posprefix_cp_shared",
 ]
-assert set(DIAGNOSED) == {s.name for s in _ALL if s.name not in ("stock", "pruned_off", "auto_cp") and not s.anneal}
+assert set(DIAGNOSED) == {s.name for s in _ALL if s.name not in ("stock", "pruned_off", "auto_cp", "auto_share_cp")
+                          and not s.anneal}
 # Diagnosed on far pairs too (tasks.far_pairs), to show where the near-copy noise comes from.
 FAR_DIAGNOSED = ["branch", "branch_ind", "branch_cp", "branch_ind_cp", "position_rows", "position_cp_rows",
                  "position_cp", "prefix_rows", "prefix", "prefix_cp_shared", "combined_cp", "posprefix_cp_shared"]
