@@ -190,6 +190,29 @@ def test_measurement_counts_the_work_saved_and_the_users_fixed_pruning(tokenizer
     assert record["reason"].startswith(("prune", "keep everything"))
 
 
+@pytest.mark.parametrize("head", [0.0, 0.5])
+def test_families_that_cannot_pay_are_not_measured(tokenizer, tmp_path, head):
+    """All near-copies: no branch draw (nothing would be frozen). An LM head too small a share of the work for
+    position pruning to save MIN_GAIN: no position draw, and position stays at 1."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(preference_rows(16)),
+                            tmp_path, per_device_train_batch_size=16, max_steps=1, branch_keep_prob="auto",
+                            position_keep_prob="auto", use_cpu=True)
+    trainer._auto_probs.head = head
+    rows = []
+    hook = trainer.model.register_forward_hook(lambda m, a, k, out: rows.append(k["input_ids"].size(0)),
+                                               with_kwargs=True)
+    trainer.train()
+    hook.remove()
+    record = trainer._auto_probs.history[0]
+    assert record["near_copy_fraction"] == 1.0 and record["r_branch"] == 0.0 and record["branch_half_cost"] == 1.0
+    draws = (sum(rows) - 2 * 16) // (2 * 16)  # passes over the 16 measured pairs beyond the exact groups and the step
+    if head == 0.0:
+        assert "not measured" in record["reason"] and record["position_keep_prob"] == 1.0 and record["r_position"] == 0
+        assert draws == 1  # the exact groups only
+    else:
+        assert record["r_position"] > 0 and draws == 2  # the exact groups and one position draw
+
+
 def test_measurement_does_not_move_the_draws(tokenizer, mixed_dataset, tmp_path):
     """With the choice fixed, the step's masks are the same whether or not a measurement ran first."""
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset, tmp_path,

@@ -221,6 +221,7 @@ class AutoKeepProbs:
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.noise = NoiseEstimates()
         self.branch_half_cost = 1.0  # measured work of a branch draw at p = 1/2 over the exact work (relative_step_cost)
+        self.position_head_too_small = False  # then position pruning is neither measured nor chosen
         self.choice = Choice(1.0, 1.0, 1.0, "before the first measurement: keep everything")
         self.measure_seconds = 0.0
         self.measure_tokens = 0  # work of the measurements in the trainer's token units (forward 1, backward 2)
@@ -284,17 +285,25 @@ class AutoKeepProbs:
             return sum(grad for grad, _ in runs) / groups, sum(work for _, work in runs)
 
         both = _subset(inputs, index, pairs)
-        if self.branch_auto:
-            overlap = pair_overlap(both["input_ids"], both["completion_mask"])
+        # A family that cannot save MIN_GAIN is not measured: all near-copies (no branch is ever frozen), or an LM head
+        # too small a share of the work for position pruning to matter; it is then kept at 1 with no extra noise.
+        overlap = pair_overlap(both["input_ids"], both["completion_mask"])
+        far = float((overlap < NEAR_COPY).double().mean())
+        if self.branch_auto and far > 0:
             pruned, work = draw(lambda chunk: {"branch_keep_prob": per_pair_branch_probs(
                 pair_overlap(chunk["input_ids"], chunk["completion_mask"]), 0.5)})
-            far = float((overlap < NEAR_COPY).double().mean())
             # per pair of the pairs that are pruned (near-copies add no extra noise)
-            self.noise.update("branch", m * float((pruned - g).pow(2).sum()) / max(far, 1.0 / m))
+            self.noise.update("branch", m * float((pruned - g).pow(2).sum()) / far)
             self.branch_half_cost = work / max(exact_work, 1)
-        if self.position_auto:
+        elif self.branch_auto:
+            self.noise.update("branch", 0.0)
+            self.branch_half_cost = 1.0
+        if self.position_auto and self.head * (1.0 - min(POSITION_GRID)) >= MIN_GAIN:
             pruned, _ = draw(lambda chunk: {"position_keep_prob": 0.5})
             self.noise.update("position", m * float((pruned - g).pow(2).sum()))
+        elif self.position_auto:
+            self.noise.update("position", 0.0)
+            self.position_head_too_small = True
         if self._fixed_families_prune(base_options):
             fixed = {**base_options, "generator": generator}
             for name in ("branch", "position"):
@@ -343,8 +352,12 @@ class AutoKeepProbs:
             b_simple = math.inf
         fixed_b = 1.0 if self.branch_auto else float(self.args.branch_keep_prob)
         fixed_p = 1.0 if self.position_auto else float(self.args.position_keep_prob)
+        position_auto = self.position_auto and not self.position_head_too_small
         self.choice = choose(b_simple, r_branch, r_position, self.batch, near, self.head, self.branch_auto,
-                             self.position_auto, self.branch_half_cost, r_fixed, fixed_b, fixed_p)
+                             position_auto, self.branch_half_cost, r_fixed, fixed_b, fixed_p)
+        if self.position_auto and not position_auto:
+            self.choice.reason += (f"; position kept at 1, not measured: the LM head is {self.head:.0%} of the work, "
+                                   f"too little for position pruning to save {MIN_GAIN:.0%}")
         record = {"step": step, "b_simple": b_simple, "r_branch": r_branch, "r_position": r_position,
                   "r_fixed": r_fixed, "branch_half_cost": self.branch_half_cost, "near_copy_fraction": near,
                   "branch_keep_prob": self.choice.branch_keep_prob,
