@@ -144,7 +144,8 @@ def choose(b_simple: float, r_branch: float, r_position: float, batch: int, near
                     inflation <= 1.0 + MAX_STEP_INFLATION:
                 best, best_value = (pb, pp), value
     work = cost(*best) / cost(*exact)
-    verdict = "prune" if best != exact else "keep everything (no setting saves 5% within +10% steps)"
+    verdict = "prune" if best != exact else \
+        f"keep everything (no setting saves {MIN_GAIN:.0%} within +{MAX_STEP_INFLATION:.0%} steps)"
     steps = steps_factor(b_simple, noise(*best), batch) / steps_factor(b_simple, 0.0, batch)
     reason = (f"{verdict}: gradient noise scale B_simple {b_simple:.1f} vs {batch} pairs per step; pruning at 0.5 adds "
               f"{r_branch:.2f}x (branch) and {r_position:.2f}x (position) the minibatch noise"
