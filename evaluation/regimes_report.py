@@ -4,9 +4,9 @@ Readings, per cell (regime, batch size B) and setting, paired by seed against st
 
 - equal steps: the level of the held-out preference accuracy around the equal-steps budget N (mean of the curve at
   three points over the last third of the budget, as in the main tables);
-- equal time: a setting whose measured training time for N steps is r times stock's (median over seeds of the ratio,
-  from the runs themselves, which ran side by side in parallel processes of one thread) is read at N / r steps;
-  "(≥)" marks a run that ended before (a lower bound);
+- equal work: a setting whose work for N steps is c times stock's on the token clock (median over seeds) is read at
+  N / c steps; equal measured s: the same with its measured training seconds; "(≥)" marks a run that ended before
+  (a lower bound);
 - auto: what it chose (branch / position keep probability for the pairs that are not near-copies), the measured
   B_simple and r, the time its measurements took (share of the training time), and the time it needs to reach
   stock's accuracy at N (share of stock's time; "> x" when it never does in its run).
@@ -166,9 +166,12 @@ def render(study, regimes, batches, settings) -> str:
         "rule for Adam), warmup 80 pairs; every run goes on to 1.5 N to be read at equal work. *near*: the main "
         "study's near-copy pairs; *dissimilar*: two different answers that differ from the first response token on, "
         "10% of labels swapped as annotators disagree (tasks.dissimilar_pairs). "
-        f"{study.n_test} held-out pairs. Δ in points, paired by seed against stock, mean ± 95% t-interval. Equal time "
-        "uses each setting's measured time for N steps over stock's (median over seeds; runs ran side by side, one "
-        "thread each, so these times are noisier than the main study's round-robin timing).",
+        f"{study.n_test} held-out pairs. Δ in points, paired by seed against stock, mean ± 95% t-interval. *Equal work* "
+        "reads a setting at N / c steps, c its work for N steps over stock's on the token clock (forward 1 per "
+        "executed token, backward 2, reference forward 1; padding executed counts; auto's measurements included; "
+        "median over seeds); *equal measured s* does the same with the measured training seconds (runs ran side by "
+        "side, one thread each, three to four processes on two cores: noisier than the main study's round-robin "
+        "timing, and CPU seconds, where the packed forward's dense attention mask costs more than its tokens say).",
         "",
     ]
     diag = {r: _gradients(study, r) for r in regimes}
