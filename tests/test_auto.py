@@ -118,6 +118,49 @@ def test_choice_keeps_quality_at_equal_steps():
     assert loaded.branch_keep_prob >= choice.branch_keep_prob
 
 
+def test_extra_steps_bound_covers_the_truth():
+    """(A2) from k groups: the point estimate is unbiased enough to centre on the truth, and the UPPER_Z jackknife
+    bound lies above it in about the nominal share of measurements (Gaussian groups with known G, Σ and extra)."""
+    gen = torch.Generator().manual_seed(0)
+    dim, k, n, batch, sigma, tau = 64, auto.GROUPS, 4, 64, 1.0, 1.5
+    grad = torch.randn(dim, generator=gen, dtype=torch.float64) * 0.3
+    truth = dim * tau ** 2 / (batch * float(grad @ grad) + dim * sigma ** 2)
+    points, covered, trials = [], 0, 300
+    for _ in range(trials):
+        exact = [grad + torch.randn(dim, generator=gen, dtype=torch.float64) * sigma / math.sqrt(n) for _ in range(k)]
+        extra = [n * float((torch.randn(dim, generator=gen, dtype=torch.float64) * tau / math.sqrt(n)).pow(2).sum())
+                 for _ in range(k)]
+        point, upper = auto.extra_steps_bound(exact, extra, n, batch)
+        assert upper >= point
+        points.append(point)
+        covered += upper >= truth
+    assert abs(sum(points) / trials / truth - 1) < 0.05
+    nominal = 1 - 0.5 * math.erfc(auto.UPPER_Z / math.sqrt(2))
+    assert nominal - 0.07 <= covered / trials <= nominal + 0.07
+
+
+def test_extra_steps_bound_agrees_with_the_noise_model():
+    """Its point estimate is B_simple r / (B + B_simple), the extra steps of (A1), from the same estimators."""
+    gen = torch.Generator().manual_seed(1)
+    exact = [torch.randn(32, generator=gen, dtype=torch.float64) + 1.0 for _ in range(auto.GROUPS)]
+    extra = [3.0 + i for i in range(auto.GROUPS)]
+    n, batch = 4, 32
+    noise = auto.NoiseEstimates(small=n, big=n * auto.GROUPS)
+    noise.update("small2", sum(float(g.pow(2).sum()) for g in exact) / auto.GROUPS)
+    noise.update("big2", float((sum(exact) / auto.GROUPS).pow(2).sum()))
+    noise.update("branch", sum(extra) / auto.GROUPS)
+    b, r = noise.b_simple(), noise.ratio("branch")
+    point, _ = auto.extra_steps_bound(exact, extra, n, batch)
+    assert point == pytest.approx(b * r / (batch + b), rel=1e-9)
+    assert auto.steps_factor(b, r, batch) / auto.steps_factor(b, 0.0, batch) == pytest.approx(1 + point, rel=1e-9)
+
+
+def test_extra_steps_bound_is_infinite_when_the_groups_cannot_resolve_the_gradient():
+    exact = [torch.tensor([1.0, 0.0]) * (-1) ** i for i in range(auto.GROUPS)]  # mean 0: no signal at all
+    point, upper = auto.extra_steps_bound(exact, [1.0] * auto.GROUPS, 1, 8)
+    assert upper == math.inf
+
+
 def test_config_accepts_auto(tmp_path):
     args = PrunedDPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False,
                            branch_keep_prob="auto", position_keep_prob="0.5")
@@ -170,24 +213,22 @@ def test_trainer_logs_its_choice_and_measures_cheaply(tokenizer, mixed_dataset, 
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2]
 
 
-@pytest.mark.parametrize("share_prompt", [False, True])
-def test_measurement_counts_the_work_saved_and_the_users_fixed_pruning(tokenizer, mixed_dataset, tmp_path,
-                                                                        share_prompt):
+def test_measurement_counts_the_work_saved_and_the_users_fixed_pruning(tokenizer, mixed_dataset, tmp_path):
     """The branch draw's work is measured through the forward the run uses, and a fixed prefix pruning the user chose
     adds its own noise to every choice. Unshared, freezing half the far pairs' rows saves backward work; with each
-    prompt executed once, these short responses leave nothing to save (the frozen branch would need its own pass),
-    and then branch pruning is never chosen."""
-    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset, tmp_path,
-                            per_device_train_batch_size=16, max_steps=1, branch_keep_prob="auto",
-                            prefix_prune_prob=0.5, share_prompt=share_prompt, use_cpu=True)
-    trainer.train()
-    record = trainer._auto_probs.history[0]
-    if share_prompt:
-        assert record["branch_half_cost"] > 0.95 and record["branch_keep_prob"] == 1.0
-    else:
-        assert 0.5 < record["branch_half_cost"] < 1.0
-    assert record["r_fixed"] > 0 and math.isfinite(record["r_fixed"])
-    assert record["reason"].startswith(("prune", "keep everything"))
+    prompt executed once, these short responses leave little to save (the frozen branch needs its own pass), and then
+    branch pruning is not chosen."""
+    records = {}
+    for share_prompt in (False, True):
+        trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset, tmp_path / str(share_prompt),
+                                per_device_train_batch_size=16, max_steps=1, branch_keep_prob="auto",
+                                prefix_prune_prob=0.5, share_prompt=share_prompt, use_cpu=True)
+        trainer.train()
+        records[share_prompt] = record = trainer._auto_probs.history[0]
+        assert record["r_fixed"] > 0 and math.isfinite(record["r_fixed"])
+        assert record["reason"].startswith(("prune", "keep everything"))
+    assert 0.5 < records[False]["branch_half_cost"] < records[True]["branch_half_cost"] < 1.0
+    assert records[True]["branch_keep_prob"] == 1.0
 
 
 @pytest.mark.parametrize("head", [0.0, 0.5])

@@ -11,7 +11,10 @@ pairs per optimizer step, B_simple = tr(Σ) / |G|² the simple noise scale. Prun
 then its extra noise is nearly free; when B <~ B_simple it costs steps in proportion.
 
 Among the settings (A1) predicts to cost at most MAX_STEP_INFLATION more steps (so quality at equal steps is kept),
-the cheapest is chosen; where none saves MIN_GAIN, everything is kept (the exact gradient).
+the cheapest is chosen; where none saves MIN_GAIN, everything is kept (the exact gradient). The extra steps are
+B_simple r / (B + B_simple) = Var(pruned - exact) / (B |G|² + tr Σ) (A2); since one measurement on a few pairs is
+noisy (the regimes study: 2-6x between seeds), the choice uses the one-sided UPPER_Z upper bound of (A2), a jackknife
+over the measurement's groups, not its point estimate.
 
 Everything here is a pure function of tensors and numbers except `AutoKeepProbs`, which the trainer owns: it measures
 B_simple and r on a few pairs of the current batch at fixed steps (exact gradients of GROUPS groups and one pruned draw,
@@ -34,13 +37,13 @@ logger = logging.getLogger(__name__)
 
 MEASURE_EVERY = 200  # optimizer steps between measurements (the first is at step 0)
 MEASURE_PAIRS = 32  # pairs of the current batch a measurement uses, at most
-GROUPS = 4  # the measured pairs are split in this many groups for B_simple (k - 1 degrees of freedom for tr(Σ))
+GROUPS = 8  # the measured pairs are split in this many groups (k - 1 degrees of freedom for tr(Σ); the jackknife)
 NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
 MIN_GAIN = 0.05  # prune only when (A1) predicts at least this saving: the measurements are noisy
-# and only where (A1) predicts at most 5% more steps to a loss than the exact gradient: half of the 10% that would
-# do if B_simple were known, as one step-0 measurement on 32 pairs was 2x off the 128-pair value (docs/quality.md,
-# regimes) and B_simple grows as training goes on
+# and only where (A1) predicts at most 5% more steps to a loss than the exact gradient, at the UPPER_Z bound of the
+# measured noise (B_simple grows as training goes on: docs/quality.md, regimes)
 MAX_STEP_INFLATION = 0.05
+UPPER_Z = 1.28  # one-sided 90% bound on the extra steps (A2), from the jackknife over groups
 BRANCH_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 POSITION_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 EMA = 0.5  # weight of a new measurement in the running estimates
@@ -100,6 +103,37 @@ def extra_noise(r_half: float, keep_prob: float) -> float:
 def steps_factor(b_simple: float, r: float, batch: int) -> float:
     """1 + B_noise (1 + r) / B: steps to a given loss, relative to infinite batch (McCandlish et al. Eq. 2.7)."""
     return 1.0 + b_simple * (1.0 + r) / batch
+
+
+def extra_steps_bound(exact: list[torch.Tensor], extra: list[float], pairs_per_group: int,
+                      batch: int) -> tuple[float, float]:
+    """(A2) Var(pruned - exact) / (B |G|² + tr Σ) per pair, and its one-sided UPPER_Z upper bound, from k groups of
+    `pairs_per_group` pairs: `exact` their exact gradients, `extra` their n |ĝ_i - g_i|² (one pruned draw each). The
+    denominator is B E|G_B|², the squared norm of a B-pair minibatch gradient (tr Σ from the spread of the groups,
+    McCandlish et al. App. A.1); the bound is a jackknife over the groups (inf when a subsample cannot resolve |G|)."""
+    k, n = len(exact), pairs_per_group
+    gram = [[float(exact[i].dot(exact[j])) for j in range(k)] for i in range(k)]
+
+    def share(groups: list[int]) -> float:
+        kk = len(groups)
+        mean2 = sum(gram[i][j] for i in groups for j in groups) / kk ** 2  # |mean g_i|²
+        spread = (sum(gram[i][i] for i in groups) / kk - mean2) * kk / (kk - 1)  # sample variance of the g_i
+        trace = n * spread
+        denominator = batch * (mean2 - trace / (kk * n)) + trace
+        return sum(extra[i] for i in groups) / kk / denominator if denominator > 0 else math.inf
+
+    point = share(list(range(k)))
+    leave_one_out = [share([i for i in range(k) if i != j]) for j in range(k)]
+    if not (math.isfinite(point) and all(map(math.isfinite, leave_one_out))):
+        return point, math.inf
+    mean = sum(leave_one_out) / k
+    error = math.sqrt((k - 1) / k * sum((x - mean) ** 2 for x in leave_one_out))
+    return point, point + UPPER_Z * error
+
+
+def _upper_tail() -> float:
+    """The one-sided tail probability of UPPER_Z (standard normal)."""
+    return 0.5 * math.erfc(UPPER_Z / math.sqrt(2.0))
 
 
 @dataclass
@@ -224,6 +258,7 @@ class AutoKeepProbs:
         self.head = head_share(model_config)
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.noise = NoiseEstimates()
+        self.upper_factor: dict[str, float] = {}  # (A2)'s upper bound over its point estimate, per family, last measured
         self.branch_half_cost = 1.0  # measured work of a branch draw at p = 1/2 over the exact work (relative_step_cost)
         self.position_head_too_small = False  # then position pruning is neither measured nor chosen
         self.choice = Choice(1.0, 1.0, 1.0, "before the first measurement: keep everything")
@@ -275,18 +310,28 @@ class AutoKeepProbs:
         index = torch.randperm(pairs, generator=generator)[:m]
         chunks = [_subset(inputs, chunk, pairs) for chunk in index.chunk(groups)]
         per_group = [self._gradient(trainer, model, chunk, exact) for chunk in chunks]
-        g = sum(grad for grad, _ in per_group) / groups
+        exact_grads = [grad for grad, _ in per_group]
+        g = sum(exact_grads) / groups
         exact_work = sum(work for _, work in per_group)
         # McCandlish et al. App. A.1 with small = m / k pairs (the mean over groups) and big = m pairs.
-        self.noise.small, self.noise.big = m // groups, m
-        self.noise.update("small2", sum(float(grad.pow(2).sum()) for grad, _ in per_group) / groups)
+        n = m // groups
+        self.noise.small, self.noise.big = n, m
+        self.noise.update("small2", sum(float(grad.pow(2).sum()) for grad in exact_grads) / groups)
         self.noise.update("big2", float(g.pow(2).sum()))
 
-        def draw(options: dict) -> tuple[torch.Tensor, int]:
+        def draw(family: str, options, scale: float = 1.0):
             """One draw over the m pairs, run in the same groups as the exact gradients (per-pair masks: the same law
-            as one draw over all m; the same packing, so its work compares with `exact_work`)."""
-            runs = [self._gradient(trainer, model, chunk, {**exact, **options(chunk)}) for chunk in chunks]
-            return sum(grad for grad, _ in runs) / groups, sum(work for _, work in runs)
+            as one draw over all m; the same packing, so its work compares with `exact_work`): the family's extra
+            variance per pair (over `scale`), its (A2) bound, and the draw's work."""
+            extra, work = [], 0
+            for chunk, exact_grad in zip(chunks, exact_grads):
+                pruned, chunk_work = self._gradient(trainer, model, chunk, {**exact, **options(chunk)})
+                extra.append(n * float((pruned - exact_grad).pow(2).sum()) / scale)
+                work += chunk_work
+            self.noise.update(family, sum(extra) / groups)
+            point, upper = extra_steps_bound(exact_grads, extra, n, self.batch)
+            self.upper_factor[family] = upper / point if point > 0 else 1.0
+            return work
 
         both = _subset(inputs, index, pairs)
         # A family that cannot save MIN_GAIN is not measured: all near-copies (no branch is ever frozen), or an LM head
@@ -294,17 +339,15 @@ class AutoKeepProbs:
         overlap = pair_overlap(both["input_ids"], both["completion_mask"])
         far = float((overlap < NEAR_COPY).double().mean())
         if self.branch_auto and far > 0:
-            pruned, work = draw(lambda chunk: {"branch_keep_prob": per_pair_branch_probs(
-                pair_overlap(chunk["input_ids"], chunk["completion_mask"]), 0.5)})
             # per pair of the pairs that are pruned (near-copies add no extra noise)
-            self.noise.update("branch", m * float((pruned - g).pow(2).sum()) / far)
+            work = draw("branch", lambda chunk: {"branch_keep_prob": per_pair_branch_probs(
+                pair_overlap(chunk["input_ids"], chunk["completion_mask"]), 0.5)}, scale=far)
             self.branch_half_cost = work / max(exact_work, 1)
         elif self.branch_auto:
             self.noise.update("branch", 0.0)
             self.branch_half_cost = 1.0
         if self.position_auto and self.head * (1.0 - min(POSITION_GRID)) >= MIN_GAIN:
-            pruned, _ = draw(lambda chunk: {"position_keep_prob": 0.5})
-            self.noise.update("position", m * float((pruned - g).pow(2).sum()))
+            draw("position", lambda chunk: {"position_keep_prob": 0.5})
         elif self.position_auto:
             self.noise.update("position", 0.0)
             self.position_head_too_small = True
@@ -349,8 +392,11 @@ class AutoKeepProbs:
         overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"])
         near = float((overlap >= NEAR_COPY).double().mean())
         b_simple = self.noise.b_simple()
-        r_branch = self.noise.ratio("branch") if self.branch_auto else 0.0
-        r_position = self.noise.ratio("position") if self.position_auto else 0.0
+        points = {family: self.noise.ratio(family) if getattr(self, f"{family}_auto") else 0.0
+                  for family in ("branch", "position")}
+        # the choice reads each ratio at its (A2) upper bound: r scales (A2) linearly at a given B_simple
+        bounds = {family: r * self.upper_factor.get(family, 1.0) if r > 0 else r for family, r in points.items()}
+        r_branch, r_position = bounds["branch"], bounds["position"]
         r_fixed = self.noise.ratio("fixed") if "fixed" in self.noise.extra else 0.0
         if not (math.isfinite(r_branch) and math.isfinite(r_position) and math.isfinite(r_fixed)):
             b_simple = math.inf
@@ -362,7 +408,12 @@ class AutoKeepProbs:
         if self.position_auto and not position_auto:
             self.choice.reason += (f"; position kept at 1, not measured: the LM head is {self.head:.0%} of the work, "
                                    f"too little for position pruning to save {MIN_GAIN:.0%}")
+        if any(r > 0 for r in points.values()):
+            self.choice.reason += (f"; the noise ratios are {1 - _upper_tail():.0%} upper bounds from {GROUPS} groups "
+                                   f"(point estimates: branch {points['branch']:.2f}, position "
+                                   f"{points['position']:.2f})")
         record = {"step": step, "b_simple": b_simple, "r_branch": r_branch, "r_position": r_position,
+                  "r_branch_point": points["branch"], "r_position_point": points["position"],
                   "r_fixed": r_fixed, "branch_half_cost": self.branch_half_cost, "near_copy_fraction": near,
                   "branch_keep_prob": self.choice.branch_keep_prob,
                   "position_keep_prob": self.choice.position_keep_prob, "time_ratio": self.choice.time_ratio,
