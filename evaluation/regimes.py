@@ -1,7 +1,8 @@
 """The regimes study: data regime x batch size x setting x seed, and what explains the results.
 
-``python -m evaluation.regimes --jobs J`` (resumable; ``--stage train|gradients|report``). Beside the main study
-(quality.py: near-copy pairs, 8 pairs per step), it asks where the extra estimator noise of pruning is cheap:
+``python -m evaluation.regimes --jobs J`` (resumable; ``--stage train|gradients|timing|report``; run the timing stage
+alone on the machine). Beside the main study (quality.py: near-copy pairs, 8 pairs per step), it asks where the extra
+estimator noise of pruning is cheap:
 
 - regimes: ``near`` (the main study's near-copy pairs) and ``dissimilar`` (tasks.dissimilar_pairs: two different
   answers that differ from the first response token on);
@@ -15,7 +16,7 @@
 
 Runs are grouped one process per (regime, seed) so the imports are paid once per group, not per run.
 Results: ``<out>/<regime>-b<B>/runs/<setting>-s<seed>.json`` (one file per run, reused when its fingerprint matches),
-``<out>/gradients-<regime>.json``; the report is the "Regimes" section of docs/quality.md (``--docs``).
+``<out>/gradients-<regime>.json``, ``<out>/timing-<regime>-b<B>.json``; the report is the "Regimes" section of docs/quality.md (``--docs``).
 """
 
 import argparse
@@ -44,6 +45,7 @@ N_TRAIN, N_TEST, N_SFT, SFT_STEPS = 2048, 128, 16384, 1000  # the main study's s
 N_HELD_OUT = 128  # held-out pairs evaluated (all the test pairs)
 BASE_LR, BASE_BATCH, WARMUP_PAIRS = 1e-4, 8, 80
 EVALS = 6  # evaluations up to the equal-steps budget (+ 3 beyond it)
+TIMING_ROUNDS, TIMING_STEPS = 5, 2  # round-robin step timing per cell: the median over rounds of each ratio to stock
 
 
 def run_config(batch: int, steps: int = STEPS):
@@ -138,6 +140,27 @@ class Regimes:
         if failed:
             raise SystemExit(f"groups failed: {failed}")
 
+    def timing(self, regimes, batches, settings):
+        """Seconds per training step of each setting against stock's, round-robin in one process on the same batches
+        (gradients.step_times), per cell: the clock of the "equal measured s" reading. Run it alone on the machine."""
+        from .gradients import step_times
+        from .settings import SETTINGS as ALL
+
+        names = ["stock"] + [n for n in settings if n != "stock"]
+        for regime in regimes:
+            for batch in batches:
+                path = self.out / f"timing-{regime}-b{batch}.json"
+                fp = _fingerprint(self.sft.key(), regime, self.data_key(regime), batch, names, TIMING_ROUNDS,
+                                  TIMING_STEPS)
+                if _load(path, fp):
+                    continue
+                print(f"step timing {regime}-b{batch}, round-robin over {len(names)} settings", flush=True)
+                cfg = run_config(batch, self.steps)
+                rows = self.splits(regime)["train"][: 4 * batch]
+                result = step_times([ALL[n] for n in names], self.policy(), rows, cfg, TIMING_ROUNDS, TIMING_STEPS,
+                                    log=lambda m: print(m, flush=True))
+                _save(path, {"fingerprint": fp, "timing": result})
+
     def gradients(self, regimes):
         """B_simple and each setting's r per regime, at the starting policy, batches of 8 pairs."""
         from .gradients import diagnose
@@ -167,7 +190,7 @@ def b_simple(meta: dict) -> float:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m evaluation.regimes", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stage", choices=["all", "train", "gradients", "report"], default="all")
+    parser.add_argument("--stage", choices=["all", "train", "gradients", "timing", "report"], default="all")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "regimes")
     parser.add_argument("--docs", type=Path, help="write the report into <docs>/quality.md (default: <out>/regimes.md)")
     parser.add_argument("--jobs", type=int, default=1)
@@ -210,6 +233,8 @@ def main(argv=None):
         study.train(args.jobs, args.regimes, args.batches, args.settings, args.seeds, extra)
     if args.stage in ("all", "gradients"):
         study.gradients(args.regimes)
+    if args.stage in ("all", "timing"):
+        study.timing(args.regimes, args.batches, args.settings)
     if args.stage in ("all", "report"):
         from .regimes_report import write
 

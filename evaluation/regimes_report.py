@@ -5,8 +5,8 @@ Readings, per cell (regime, batch size B) and setting, paired by seed against st
 - equal steps: the level of the held-out preference accuracy around the equal-steps budget N (mean of the curve at
   three points over the last third of the budget, as in the main tables);
 - equal work: a setting whose work for N steps is c times stock's on the token clock (median over seeds) is read at
-  N / c steps; equal measured s: the same with its measured training seconds; "(≥)" marks a run that ended before
-  (a lower bound);
+  N / c steps; equal measured s: the same with its seconds per step over stock's, timed round-robin in one process
+  (regimes.Regimes.timing), plus auto's measurement; "(≥)" marks a run that ended before (a lower bound);
 - auto: what it chose (branch / position keep probability for the pairs that are not near-copies), the measured
   B_simple and r, the time its measurements took (share of the training time), and the time it needs to reach
   stock's accuracy at N (share of stock's time; "> x" when it never does in its run).
@@ -39,11 +39,6 @@ def _level(run, step, width):
     return window(xs, ys, step, width)
 
 
-def _time_at(run, step):
-    xs, ts = curve(run, "time")
-    return interp(xs, ts, step)
-
-
 def _measure_cost(run) -> float:
     """auto's measurement work in token units (all of it at step 0 in these short runs); older records kept only
     its seconds, converted at the run's own cost per second."""
@@ -71,15 +66,23 @@ def _fmt(pair, signed=False, pct=True):
     return body if math.isnan(half) else f"{body} ± {half * scale:.1f}"
 
 
+def _step_time_ratios(study, regime, batch) -> dict:
+    """Seconds per step over stock's, round-robin in one process (regimes.Regimes.timing); {} when not timed."""
+    path = study.out / f"timing-{regime}-b{batch}.json"
+    if not path.is_file():
+        return {}
+    return {name: row["ratio"] for name, row in json.loads(path.read_text())["timing"].items()}
+
+
 def cell_summary(study, regime, batch, settings):
     stock = _runs(study, regime, batch, "stock")
     if not stock:
         return None
+    step_time = _step_time_ratios(study, regime, batch)
     n = next(iter(stock.values()))["config"]["steps"]
     width = n / 3
     out = {"steps": n, "seeds": sorted(stock), "rows": {}}
     stock_level = {s: _level(r, n, width) for s, r in stock.items()}
-    stock_time = {s: _time_at(r, n) for s, r in stock.items()}
     stock_cost = {s: _cost_at(r, n) for s, r in stock.items()}
     for name in settings:
         runs = stock if name == "stock" else _runs(study, regime, batch, name)
@@ -87,19 +90,23 @@ def cell_summary(study, regime, batch, settings):
         if not seeds:
             continue
         ratio = statistics.median(_cost_at(runs[s], n) / stock_cost[s] for s in seeds)
-        measured = statistics.median(_time_at(runs[s], n) / stock_time[s] for s in seeds)
+        # seconds: the round-robin step time, plus auto's measurement (its share of the run's token work to N)
+        measured = step_time[name] + statistics.median(_measure_cost(runs[s]) / stock_cost[s] for s in seeds) \
+            if name in step_time else math.nan
         max_steps = min(runs[s]["max_steps"] for s in seeds)
         target = n / ratio
         lower = target > max_steps
         at_n = [_level(runs[s], n, width) for s in seeds]
         at_t = [_level(runs[s], min(target, max_steps), width) for s in seeds]
-        target_s = n / measured  # the same reading on the measured seconds (noisier; see the text)
-        at_s = [_level(runs[s], min(target_s, max_steps), width) for s in seeds]
+        target_s = n / measured  # the same reading on the measured seconds (nan: not timed)
+        at_s = [_level(runs[s], min(target_s, max_steps), width) for s in seeds] if math.isfinite(measured) \
+            else [math.nan] * len(seeds)
         row = {
             "seeds": len(seeds), "ratio": ratio, "measured_ratio": measured, "lower_bound": lower,
             "acc_n": mean_ci(at_n), "d_n": mean_ci([a - stock_level[s] for a, s in zip(at_n, seeds)]),
             "acc_t": mean_ci(at_t), "d_t": mean_ci([a - stock_level[s] for a, s in zip(at_t, seeds)]),
-            "d_s": mean_ci([a - stock_level[s] for a, s in zip(at_s, seeds)]), "lower_bound_s": target_s > max_steps,
+            "d_s": mean_ci([a - stock_level[s] for a, s in zip(at_s, seeds)]) if math.isfinite(measured)
+            else (math.nan, math.nan), "lower_bound_s": math.isfinite(measured) and target_s > max_steps,
         }
         if name != "stock":
             row["reach"] = _time_to_reach(runs, stock_level, stock_cost, seeds, n)
@@ -107,12 +114,11 @@ def cell_summary(study, regime, batch, settings):
         if autos:
             first = [a[0] for a in autos]
             row["auto"] = {
-                "branch": statistics.median(f["branch_keep_prob"] for f in first),
-                "position": statistics.median(f["position_keep_prob"] for f in first),
-                "branch_all": sorted({f["branch_keep_prob"] for a in autos for f in a}),
-                "position_all": sorted({f["position_keep_prob"] for a in autos for f in a}),
+                "branch_seeds": [f["branch_keep_prob"] for f in first],
+                "position_seeds": [f["position_keep_prob"] for f in first],
                 "b_simple": statistics.median(f["b_simple"] for f in first),
                 "r_branch": statistics.median(f["r_branch"] for f in first),
+                "r_branch_point": statistics.median(f.get("r_branch_point", f["r_branch"]) for f in first),
                 "r_position": statistics.median(f["r_position"] for f in first),
                 "near": statistics.median(f["near_copy_fraction"] for f in first),
                 "half_cost": statistics.median(f.get("branch_half_cost", math.nan) for f in first),
@@ -156,7 +162,7 @@ def _model_factor(b_simple, r, batch):
 
 
 def render(study, regimes, batches, settings) -> str:
-    from .regimes import DIAGNOSED
+    from .regimes import DIAGNOSED, TIMING_ROUNDS
 
     lines = [START, "", "## Regimes: data x batch size", ""]
     lines += [
@@ -169,9 +175,10 @@ def render(study, regimes, batches, settings) -> str:
         f"{study.n_test} held-out pairs. Δ in points, paired by seed against stock, mean ± 95% t-interval. *Equal work* "
         "reads a setting at N / c steps, c its work for N steps over stock's on the token clock (forward 1 per "
         "executed token, backward 2, reference forward 1; padding executed counts; auto's measurements included; "
-        "median over seeds); *equal measured s* does the same with the measured training seconds (runs ran side by "
-        "side, one thread each, three to four processes on two cores: noisier than the main study's round-robin "
-        "timing, and CPU seconds, where the packed forward's dense attention mask costs more than its tokens say).",
+        "median over seeds); *equal measured s* does the same with the measured seconds per step over stock's (the "
+        "bracketed ratio: full training steps timed round-robin in one process on the same batches, median over "
+        f"{TIMING_ROUNDS} rounds, one CPU thread; auto's measurement added as its share of the run's work to N; "
+        "these are CPU seconds, where the packed forward's dense attention mask costs more than its tokens say).",
         "",
     ]
     diag = {r: _gradients(study, r) for r in regimes}
@@ -216,23 +223,24 @@ def render(study, regimes, batches, settings) -> str:
                 if "auto" in row:
                     a = row["auto"]
                     auto_lines.append(
-                        f"| {regime} | {batch} | {a['branch']:g} ({', '.join(f'{v:g}' for v in a['branch_all'])}) | "
-                        f"{a['position']:g} ({', '.join(f'{v:g}' for v in a['position_all'])}) | {a['near']:.0%} | "
-                        f"{a['b_simple']:.1f} | {a['r_branch']:.2f} | {a['r_position']:.2f} | {a['half_cost']:.2f} | "
-                        f"{a['overhead']:.1%} |")
+                        f"| {regime} | {batch} | {ALL[name].label} | {', '.join(f'{v:g}' for v in a['branch_seeds'])} | "
+                        f"{', '.join(f'{v:g}' for v in a['position_seeds'])} | {a['near']:.0%} | "
+                        f"{a['b_simple']:.1f} | {a['r_branch']:.2f} ({a['r_branch_point']:.2f}) | "
+                        f"{a['r_position']:.2f} | {a['half_cost']:.2f} | {a['overhead']:.1%} |")
     lines += ["", "*model: steps x* is the critical-batch prediction of the steps to a given loss relative to stock, "
               "(1 + B_simple (1 + r) / B) / (1 + B_simple / B), from the noise table; a setting pays at equal work when "
               "its work per step times this factor is below 1.", ""]
     if auto_lines:
-        lines += ["What `auto` chose (median over seeds of its first choice; in brackets every value it chose in any "
-                  "seed and measurement), for the pairs that are not near-copies (near-copies always keep both "
-                  "branches), from what it measured (B_simple, each family's r at p = 1/2, and the work of a branch "
-                  "draw at 1/2 over the exact work, through the run's own forward), and the work its measurements "
-                  "took as a share of the run's work to N (one measurement, at step 0: a run this short pays it in "
+        lines += ["What `auto` chose in each seed (its one measurement, at step 0), for the pairs that are not "
+                  "near-copies (near-copies always keep both branches), from what it measured (medians over seeds: "
+                  "B_simple; each family's r at p = 1/2, at the 90% upper bound the choice reads, point estimate in "
+                  "brackets; the work of a branch draw at 1/2 over the exact work, through the run's own forward), "
+                  "and the work its measurement took as a share of the run's work to N (a run this short pays it in "
                   "full; a long run pays it once per MEASURE_EVERY = 200 steps):", "",
-                  "| regime | B | branch keep | position keep | near-copy pairs | B_simple (measured) | r branch @0.5 "
-                  "| r position @0.5 | branch work @0.5 | measurement work (share of run to N) |",
-                  "|---|---|---|---|---|---|---|---|---|---|",
+                  "| regime | B | setting | branch keep (per seed) | position keep (per seed) | near-copy pairs | "
+                  "B_simple (measured) | r branch @0.5 bound (point) | r position @0.5 | branch work @0.5 | "
+                  "measurement work (share of run to N) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|",
                   *auto_lines, ""]
     if FINDINGS.is_file():
         lines += [FINDINGS.read_text().rstrip("\n"), ""]

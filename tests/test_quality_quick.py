@@ -98,7 +98,8 @@ def test_pair_shared_masks_keep_the_trainer_marginals():
 
 
 def test_regimes_quick_smoke(tmp_path):
-    """The regimes study (evaluation/regimes.py) at tiny sizes: runs, noise diagnostics and the report section."""
+    """The regimes study (evaluation/regimes.py) at tiny sizes: runs, noise diagnostics, step timing and the report
+    section."""
     out = tmp_path / "regimes"
     env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -115,5 +116,9 @@ def test_regimes_quick_smoke(tmp_path):
     assert 0 < choice["branch_keep_prob"] <= 1 and 0 < choice["position_keep_prob"] <= 1
     diag = json.loads((out / "gradients-dissimilar.json").read_text())["diagnostics"]
     assert diag["_meta"]["pooled_norm2"] > 0 and "auto_cp" in diag
+    timing = json.loads((out / "timing-dissimilar-b8.json").read_text())["timing"]
+    assert set(timing) == {"stock", "auto_cp"} and timing["stock"]["ratio"] == 1.0 and timing["auto_cp"]["ratio"] > 0
     report = (out / "regimes.md").read_text()
     assert report.startswith("<!-- regimes:start -->") and "| dissimilar | 8 |" in report
+    auto_row = next(line for line in report.splitlines() if line.startswith("| dissimilar | 8 | auto"))
+    assert "nan" not in auto_row  # the equal-seconds reading comes from the round-robin timing

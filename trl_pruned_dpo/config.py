@@ -66,7 +66,8 @@ class PrunedDPOConfig(DPOConfig):
             `torch.no_grad()`. In (0, 1], or `"auto"`: the trainer measures the gradient noise scale, each
             family's extra noise and the work a draw saves, on up to 32 pairs at step 0 and every 200 steps, and picks
             the probabilities that minimise the expected time to a given loss among those predicted to cost at most
-            5% more steps (trl_pruned_dpo/auto.py); where none saves 5%, it keeps everything. Near-copy pairs always
+            5% more steps at a 90% upper bound of the measured noise (trl_pruned_dpo/auto.py); where none saves 5%,
+            it keeps everything. Near-copy pairs always
             keep both branches. Its choice is logged as `prune/branch_keep_prob` and `prune/position_keep_prob`, and
             its reason at INFO level.
         branch_sampling (`str`, *optional*, defaults to `"paired"`):
