@@ -7,9 +7,10 @@ Readings, per cell (regime, batch size B) and setting, paired by seed against st
 - equal work: a setting whose work for N steps is c times stock's on the token clock (median over seeds) is read at
   N / c steps; equal measured s: the same with its seconds per step over stock's, timed round-robin in one process
   (regimes.Regimes.timing), plus auto's measurement; "(≥)" marks a run that ended before (a lower bound);
-- auto: what it chose (branch / position keep probability for the pairs that are not near-copies), the measured
-  B_simple and r, the time its measurements took (share of the training time), and the time it needs to reach
-  stock's accuracy at N (share of stock's time; "> x" when it never does in its run).
+- time to stock's accuracy at N: when a setting first reaches it, over when stock itself first did (work, and
+  seconds from the round-robin step time; "never" when a seed does not reach it in its run);
+- auto: what it chose in each seed (branch / position keep probability for the pairs that are not near-copies), the
+  measured B_simple and r, and the work its measurement took (share of the run's work to N).
 """
 
 import json
@@ -109,7 +110,7 @@ def cell_summary(study, regime, batch, settings):
             else (math.nan, math.nan), "lower_bound_s": math.isfinite(measured) and target_s > max_steps,
         }
         if name != "stock":
-            row["reach"] = _time_to_reach(runs, stock_level, stock_cost, seeds, n)
+            row["reach"] = _time_to_reach(runs, stock, stock_level, seeds, measured)
         autos = [runs[s].get("auto") for s in seeds if runs[s].get("auto")]
         if autos:
             first = [a[0] for a in autos]
@@ -129,19 +130,27 @@ def cell_summary(study, regime, batch, settings):
     return out
 
 
-def _time_to_reach(runs, stock_level, stock_cost, seeds, n):
-    """Median over seeds of (work by which the setting's held-out accuracy first reaches stock's level at N) / stock's
-    work for N steps; a seed that never reaches it counts its whole run (a lower bound, counted as "never")."""
-    shares, never = [], 0
+def _first_reach(run, level):
+    """The first evaluated step at which the held-out accuracy reaches `level`, or None."""
+    xs, ys = curve(run, "pref_acc")
+    return next((x for x, y in zip(xs, ys) if y >= level), None)
+
+
+def _time_to_reach(runs, stock, stock_level, seeds, measured):
+    """Time to stock's held-out accuracy at N, over the time stock itself took to first reach it (medians over seeds):
+    on the token clock, and in seconds (steps to it times the setting's round-robin step time over stock's). A seed
+    that never reaches it counts its whole run (a lower bound, counted as "never")."""
+    work, seconds, never = [], [], 0
     for s in seeds:
         run = runs[s]
-        xs, ys = curve(run, "pref_acc")
-        hit = next((x for x, y in zip(xs, ys) if y >= stock_level[s]), None)
+        stock_hit = _first_reach(stock[s], stock_level[s]) or curve(stock[s], "pref_acc")[0][-1]
+        hit = _first_reach(run, stock_level[s])
         if hit is None:
             never += 1
-            hit = xs[-1]
-        shares.append(_cost_at(run, hit) / stock_cost[s])
-    return statistics.median(shares), never
+            hit = curve(run, "pref_acc")[0][-1]
+        work.append(_cost_at(run, hit) / _cost_at(stock[s], stock_hit))
+        seconds.append(hit / stock_hit * measured)
+    return statistics.median(work), statistics.median(seconds), never
 
 
 def _gradients(study, regime):
@@ -194,7 +203,7 @@ def render(study, regimes, batches, settings) -> str:
         cells = [f"{g[n]:.2f}" if n in g else "—" for n in DIAGNOSED]
         lines.append(f"| {regime} | {g['b_simple']:.1f} | " + " | ".join(cells) + " |")
     lines += ["", "| regime | B | setting | seeds | work per step (x stock) [measured s] | Δ @N | Δ @ equal work | "
-              "Δ @ equal measured s | model: steps x | work to stock's acc @N (x stock) |",
+              "Δ @ equal measured s | model: steps x | time to stock's acc @N, over stock's own: work [s] |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     auto_lines = []
     for regime in regimes:
@@ -212,8 +221,8 @@ def render(study, regimes, batches, settings) -> str:
                 if name == "stock" or row is None:
                     continue
                 factor = _model_factor(g.get("b_simple"), g.get(name), batch)
-                reach, never = row["reach"]
-                reach_text = f"{reach:.2f}" + (f" ({never} never)" if never else "")
+                reach, reach_s, never = row["reach"]
+                reach_text = f"{reach:.2f} [{reach_s:.2f}]" + (f" ({never} never)" if never else "")
                 lines.append(
                     f"| {regime} | {batch} | {ALL[name].label} | {row['seeds']} | {row['ratio']:.2f} [{row['measured_ratio']:.2f}] | "
                     f"{_fmt(row['d_n'], signed=True)} | {_fmt(row['d_t'], signed=True)}"
