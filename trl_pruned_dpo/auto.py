@@ -157,7 +157,8 @@ def choose(b_simple: float, r_branch: float, r_position: float, batch: int, near
     positions = POSITION_GRID if position_auto else (position_fixed,)
     exact = (1.0 if branch_auto else branch_fixed, 1.0 if position_auto else position_fixed)
     if not math.isfinite(b_simple):
-        return Choice(*exact, 1.0, "no usable noise measurement: keep everything")
+        return Choice(*exact, 1.0, "keep everything: on the measured pairs the gradient noise hides the mean gradient "
+                                   "(B_simple too large to resolve, far above the batch)")
     half_cost = branch_half_cost if branch_auto else 1.0
 
     def noise(pb, pp):
