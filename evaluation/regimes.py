@@ -16,7 +16,8 @@ estimator noise of pruning is cheap:
 
 Runs are grouped one process per (regime, seed) so the imports are paid once per group, not per run.
 Results: ``<out>/<regime>-b<B>/runs/<setting>-s<seed>.json`` (one file per run, reused when its fingerprint matches),
-``<out>/gradients-<regime>.json``, ``<out>/timing-<regime>-b<B>.json``; the report is the "Regimes" section of docs/quality.md (``--docs``).
+``<out>/gradients-<regime>.json``, ``<out>/timing-<regime>-b<B>.json``; the report is the "Regimes" section of
+docs/quality.md (``--docs``).
 """
 
 import argparse

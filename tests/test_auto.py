@@ -220,9 +220,10 @@ def test_measurement_counts_the_work_saved_and_the_users_fixed_pruning(tokenizer
     branch pruning is not chosen."""
     records = {}
     for share_prompt in (False, True):
-        trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset, tmp_path / str(share_prompt),
-                                per_device_train_batch_size=16, max_steps=1, branch_keep_prob="auto",
-                                prefix_prune_prob=0.5, share_prompt=share_prompt, use_cpu=True)
+        trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset,
+                                tmp_path / str(share_prompt), per_device_train_batch_size=16, max_steps=1,
+                                branch_keep_prob="auto", prefix_prune_prob=0.5, share_prompt=share_prompt,
+                                use_cpu=True)
         trainer.train()
         records[share_prompt] = record = trainer._auto_probs.history[0]
         assert record["r_fixed"] > 0 and math.isfinite(record["r_fixed"])

@@ -13,8 +13,8 @@ then its extra noise is nearly free; when B <~ B_simple it costs steps in propor
 Among the settings (A1) predicts to cost at most MAX_STEP_INFLATION more steps (so quality at equal steps is kept),
 the cheapest is chosen; where none saves MIN_GAIN, everything is kept (the exact gradient). The extra steps are
 B_simple r / (B + B_simple) = Var(pruned - exact) / (B |G|² + tr Σ) (A2); since one measurement on a few pairs is
-noisy (the regimes study: 2-6x between seeds), the choice uses the one-sided UPPER_Z upper bound of (A2), a jackknife
-over the measurement's groups, not its point estimate.
+noisy (the regimes study: up to 5x between seeds), the choice uses the one-sided UPPER_Z upper bound of (A2), a
+jackknife over the measurement's groups, not its point estimate.
 
 Everything here is a pure function of tensors and numbers except `AutoKeepProbs`, which the trainer owns: it measures
 B_simple and r on a few pairs of the current batch at fixed steps (exact gradients of GROUPS groups and one pruned draw,
@@ -259,7 +259,7 @@ class AutoKeepProbs:
         self.head = head_share(model_config)
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.noise = NoiseEstimates()
-        self.upper_factor: dict[str, float] = {}  # (A2)'s upper bound over its point estimate, per family, last measured
+        self.upper_factor: dict[str, float] = {}  # per family: (A2)'s upper bound over its point estimate, last measured
         self.branch_half_cost = 1.0  # measured work of a branch draw at p = 1/2 over the exact work (relative_step_cost)
         self.position_head_too_small = False  # then position pruning is neither measured nor chosen
         self.choice = Choice(1.0, 1.0, 1.0, "before the first measurement: keep everything")
