@@ -99,15 +99,15 @@ def cell_summary(study, regime, batch, settings):
         lower = target > max_steps
         at_n = [_level(runs[s], n, width) for s in seeds]
         at_t = [_level(runs[s], min(target, max_steps), width) for s in seeds]
-        target_s = n / measured  # the same reading on the measured seconds (nan: not timed)
-        at_s = [_level(runs[s], min(target_s, max_steps), width) for s in seeds] if math.isfinite(measured) \
-            else [math.nan] * len(seeds)
+        timed = math.isfinite(measured)
+        target_s = n / measured if timed else math.nan  # the same reading on the measured seconds
+        at_s = [_level(runs[s], min(target_s, max_steps), width) for s in seeds] if timed else []
         row = {
             "seeds": len(seeds), "ratio": ratio, "measured_ratio": measured, "lower_bound": lower,
             "acc_n": mean_ci(at_n), "d_n": mean_ci([a - stock_level[s] for a, s in zip(at_n, seeds)]),
             "acc_t": mean_ci(at_t), "d_t": mean_ci([a - stock_level[s] for a, s in zip(at_t, seeds)]),
-            "d_s": mean_ci([a - stock_level[s] for a, s in zip(at_s, seeds)]) if math.isfinite(measured)
-            else (math.nan, math.nan), "lower_bound_s": math.isfinite(measured) and target_s > max_steps,
+            "d_s": mean_ci([a - stock_level[s] for a, s in zip(at_s, seeds)]) if timed else (math.nan, math.nan),
+            "lower_bound_s": timed and target_s > max_steps,
         }
         if name != "stock":
             row["reach"] = _time_to_reach(runs, stock, stock_level, seeds, measured)

@@ -130,7 +130,7 @@ def test_extra_steps_bound_covers_the_truth():
         exact = [grad + torch.randn(dim, generator=gen, dtype=torch.float64) * sigma / math.sqrt(n) for _ in range(k)]
         extra = [n * float((torch.randn(dim, generator=gen, dtype=torch.float64) * tau / math.sqrt(n)).pow(2).sum())
                  for _ in range(k)]
-        point, upper = auto.extra_steps_bound(exact, extra, n, batch)
+        point, upper = auto.extra_steps_bound(auto.gram_matrix(exact), extra, n, batch)
         assert upper >= point
         points.append(point)
         covered += upper >= truth
@@ -150,14 +150,14 @@ def test_extra_steps_bound_agrees_with_the_noise_model():
     noise.update("big2", float((sum(exact) / auto.GROUPS).pow(2).sum()))
     noise.update("branch", sum(extra) / auto.GROUPS)
     b, r = noise.b_simple(), noise.ratio("branch")
-    point, _ = auto.extra_steps_bound(exact, extra, n, batch)
+    point, _ = auto.extra_steps_bound(auto.gram_matrix(exact), extra, n, batch)
     assert point == pytest.approx(b * r / (batch + b), rel=1e-9)
     assert auto.steps_factor(b, r, batch) / auto.steps_factor(b, 0.0, batch) == pytest.approx(1 + point, rel=1e-9)
 
 
 def test_extra_steps_bound_is_infinite_when_the_groups_cannot_resolve_the_gradient():
     exact = [torch.tensor([1.0, 0.0]) * (-1) ** i for i in range(auto.GROUPS)]  # mean 0: no signal at all
-    point, upper = auto.extra_steps_bound(exact, [1.0] * auto.GROUPS, 1, 8)
+    point, upper = auto.extra_steps_bound(auto.gram_matrix(exact), [1.0] * auto.GROUPS, 1, 8)
     assert upper == math.inf
 
 

@@ -105,14 +105,19 @@ def steps_factor(b_simple: float, r: float, batch: int) -> float:
     return 1.0 + b_simple * (1.0 + r) / batch
 
 
-def extra_steps_bound(exact: list[torch.Tensor], extra: list[float], pairs_per_group: int,
+def gram_matrix(grads: list[torch.Tensor]) -> list[list[float]]:
+    """g_i · g_j of the groups' exact gradients: all the measurement needs of them (B_simple and the (A2) bound)."""
+    return [[float(a.dot(b)) for b in grads] for a in grads]
+
+
+def extra_steps_bound(gram: list[list[float]], extra: list[float], pairs_per_group: int,
                       batch: int) -> tuple[float, float]:
     """(A2) Var(pruned - exact) / (B |G|² + tr Σ) per pair, and its one-sided UPPER_Z upper bound, from k groups of
-    `pairs_per_group` pairs: `exact` their exact gradients, `extra` their n |ĝ_i - g_i|² (one pruned draw each). The
-    denominator is B E|G_B|², the squared norm of a B-pair minibatch gradient (tr Σ from the spread of the groups,
-    McCandlish et al. App. A.1); the bound is a jackknife over the groups (inf when a subsample cannot resolve |G|)."""
-    k, n = len(exact), pairs_per_group
-    gram = [[float(exact[i].dot(exact[j])) for j in range(k)] for i in range(k)]
+    `pairs_per_group` pairs: `gram` the products of their exact gradients, `extra` their n |ĝ_i - g_i|² (one pruned
+    draw each). The denominator is B E|G_B|², the squared norm of a B-pair minibatch gradient (tr Σ from the spread
+    of the groups, McCandlish et al. App. A.1); the bound is a jackknife over the groups (inf when a subsample cannot
+    resolve |G|)."""
+    k, n = len(gram), pairs_per_group
 
     def share(groups: list[int]) -> float:
         kk = len(groups)
@@ -314,11 +319,12 @@ class AutoKeepProbs:
         exact_grads = [grad for grad, _ in per_group]
         g = sum(exact_grads) / groups
         exact_work = sum(work for _, work in per_group)
+        gram = gram_matrix(exact_grads)
         # McCandlish et al. App. A.1 with small = m / k pairs (the mean over groups) and big = m pairs.
         n = m // groups
         self.noise.small, self.noise.big = n, m
-        self.noise.update("small2", sum(float(grad.pow(2).sum()) for grad in exact_grads) / groups)
-        self.noise.update("big2", float(g.pow(2).sum()))
+        self.noise.update("small2", sum(gram[i][i] for i in range(groups)) / groups)  # mean |g_i|²
+        self.noise.update("big2", sum(map(sum, gram)) / groups ** 2)  # |mean g_i|²
 
         def draw(family: str, options, scale: float = 1.0):
             """One draw over the m pairs, run in the same groups as the exact gradients (per-pair masks: the same law
@@ -330,7 +336,7 @@ class AutoKeepProbs:
                 extra.append(n * float((pruned - exact_grad).pow(2).sum()) / scale)
                 work += chunk_work
             self.noise.update(family, sum(extra) / groups)
-            point, upper = extra_steps_bound(exact_grads, extra, n, self.batch)
+            point, upper = extra_steps_bound(gram, extra, n, self.batch)
             self.upper_factor[family] = upper / point if point > 0 else 1.0
             return work
 

@@ -67,9 +67,8 @@ class PrunedDPOConfig(DPOConfig):
             family's extra noise and the work a draw saves, on up to 32 pairs at step 0 and every 200 steps, and picks
             the probabilities that minimise the expected time to a given loss among those predicted to cost at most
             5% more steps at a 90% upper bound of the measured noise (trl_pruned_dpo/auto.py); where none saves 5%,
-            it keeps everything. Near-copy pairs always
-            keep both branches. Its choice is logged as `prune/branch_keep_prob` and `prune/position_keep_prob`, and
-            its reason at INFO level.
+            it keeps everything. Near-copy pairs always keep both branches. Its choice is logged as
+            `prune/branch_keep_prob` and `prune/position_keep_prob`, and its reason at INFO level.
         branch_sampling (`str`, *optional*, defaults to `"paired"`):
             `"paired"`: the two branches of a pair are drawn together (at 0.5, exactly one per pair; fixed cost).
             `"independent"`: each branch is drawn on its own (the cost varies per step). On near-copy pairs
