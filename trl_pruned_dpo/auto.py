@@ -289,7 +289,9 @@ class AutoKeepProbs:
             + stats.get("reference_tokens_executed", 0)
         self.measure_tokens += work
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double() for g, p in
+        # float32: a measurement holds GROUPS of these (4 bytes per trainable parameter each); the rounding of their
+        # products is far below the sampling noise the measurement estimates
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().float() for g, p in
                           zip(grads, params)])
         return flat, work
 
