@@ -105,6 +105,13 @@ def steps_factor(b_simple: float, r: float, batch: int) -> float:
     return 1.0 + b_simple * (1.0 + r) / batch
 
 
+def trace_and_norm2(small2: float, big2: float, small: int, big: int) -> tuple[float, float]:
+    """tr(Σ) and |G|² per pair from squared gradient norms at `small` and `big` pairs (McCandlish et al. App. A.1):
+    E|G_b|² = |G|² + tr(Σ) / b, solved at b = small and b = big."""
+    trace = (small2 - big2) / (1.0 / small - 1.0 / big)
+    return trace, (big * big2 - small * small2) / (big - small)
+
+
 def gram_matrix(grads: list[torch.Tensor]) -> list[list[float]]:
     """g_i · g_j of the groups' exact gradients: all the measurement needs of them (B_simple and the (A2) bound)."""
     return [[float(a.dot(b)) for b in grads] for a in grads]
@@ -121,10 +128,10 @@ def extra_steps_bound(gram: list[list[float]], extra: list[float], pairs_per_gro
 
     def share(groups: list[int]) -> float:
         kk = len(groups)
-        mean2 = sum(gram[i][j] for i in groups for j in groups) / kk ** 2  # |mean g_i|²
-        spread = (sum(gram[i][i] for i in groups) / kk - mean2) * kk / (kk - 1)  # sample variance of the g_i
-        trace = n * spread
-        denominator = batch * (mean2 - trace / (kk * n)) + trace
+        small2 = sum(gram[i][i] for i in groups) / kk  # mean |g_i|², n pairs each
+        big2 = sum(gram[i][j] for i in groups for j in groups) / kk ** 2  # |mean g_i|², kk n pairs
+        trace, norm2 = trace_and_norm2(small2, big2, n, kk * n)
+        denominator = batch * norm2 + trace
         return sum(extra[i] for i in groups) / kk / denominator if denominator > 0 else math.inf
 
     point = share(list(range(k)))
@@ -219,15 +226,12 @@ class NoiseEstimates:
             self.extra[name] = new
 
     def trace_sigma(self) -> float:
-        return (self.small2 - self.big2) / (1.0 / self.small - 1.0 / self.big)
-
-    def grad_norm2(self) -> float:
-        return (self.big * self.big2 - self.small * self.small2) / (self.big - self.small)
+        return trace_and_norm2(self.small2, self.big2, self.small, self.big)[0]
 
     def b_simple(self) -> float:
         if self.small2 is None:
             return math.inf
-        g2, trace = self.grad_norm2(), self.trace_sigma()
+        trace, g2 = trace_and_norm2(self.small2, self.big2, self.small, self.big)
         if g2 <= 0 or trace <= 0:  # noise dominates what one batch can resolve: treat as noise-bound
             return math.inf
         return trace / g2
@@ -319,7 +323,6 @@ class AutoKeepProbs:
         chunks = [_subset(inputs, chunk, pairs) for chunk in index.chunk(groups)]
         per_group = [self._gradient(trainer, model, chunk, exact) for chunk in chunks]
         exact_grads = [grad for grad, _ in per_group]
-        g = sum(exact_grads) / groups
         exact_work = sum(work for _, work in per_group)
         gram = gram_matrix(exact_grads)
         # McCandlish et al. App. A.1 with small = m / k pairs (the mean over groups) and big = m pairs.
@@ -367,7 +370,8 @@ class AutoKeepProbs:
                     fixed[f"{name}_keep_prob"] = 1.0
             # one draw over all m pairs: a prefix cut is one per micro-batch, and its noise depends on the batch's size
             pruned, _ = self._gradient(trainer, model, both, fixed)
-            self.noise.update("fixed", m * float((pruned - g).pow(2).sum()))
+            pruned -= sum(exact_grads) / groups
+            self.noise.update("fixed", m * float(pruned.pow(2).sum()))
         self.noise.measurements += 1
         for k, v in trainer._metrics["train"].items():
             del v[metrics.get(k, 0):]
