@@ -29,7 +29,7 @@ import traceback
 
 import torch
 
-from benchmarks.workload import StepRunner, Workload, build_trainer, quiet
+from benchmarks.workload import StepRunner, Workload, build_model, build_trainer, quiet
 
 QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B's config.json
     hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
@@ -62,17 +62,6 @@ ROWS = [  # (name, side, attention implementation, PrunedDPOConfig fields)
 # --dry-run: the same grid on CPU with a tiny model in fp32, to check the script itself (numbers mean nothing)
 TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
             tie_word_embeddings=True)
-
-
-def build_model(w: Workload, attn: str, device: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(vocab_size=w.vocab_size, max_position_embeddings=4096, pad_token_id=0, eos_token_id=1,
-                         bos_token_id=1, attn_implementation=attn, **w.model_shape)
-    torch.manual_seed(w.seed)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config)
-    return model.to(torch.bfloat16) if device == "cuda" else model
 
 
 def _sync(device):
@@ -175,7 +164,8 @@ def main(argv=None):
                 continue
             try:
                 if base is None:
-                    base = build_model(w, "sdpa", device)
+                    base = build_model(w, torch.bfloat16 if device == "cuda" else torch.float32, attn="sdpa",
+                                       device=device)
                 r = time_row(w, side, attn, pruning, base, args.warmup, args.steps, device)
                 results.append(dict(workload=w.name, row=name, attn=attn, **r))
                 print(f"[{time.time() - started:5.0f}s] {w.name} {name}: {r['step_s']:.3f}s/step, "

@@ -132,7 +132,12 @@ def build_dataset(w: Workload):
     return Dataset.from_dict(rows)
 
 
-def build_model(w: Workload, dtype=torch.float32):
+def build_model(w: Workload, dtype=torch.float32, *, attn: str | None = None, device: str = "cpu"):
+    """The cell's model, random weights from `w.seed`: the one builder of every benchmark (CPU harness and GPU check).
+
+    `attn`: the attention implementation (None: transformers' default). `device`: where the weights are created; the
+    GPU check creates them on CUDA, so a 0.5B model is never materialised on the host first.
+    """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
@@ -141,10 +146,13 @@ def build_model(w: Workload, dtype=torch.float32):
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=1,
+        attn_implementation=attn,
         **w.model_shape,
     )
     torch.manual_seed(w.seed)
-    return Qwen2ForCausalLM(config).to(dtype)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    return model.to(dtype)
 
 
 PRUNING_FIELDS = (
@@ -221,7 +229,7 @@ def _plugin_forward_trainer():
     private seams as the parity tests (`_uses_pruned_forward`, `_pruned_loss`); no public flag.
     """
     from trl_pruned_dpo import PrunedDPOTrainer
-    from trl_pruned_dpo.trainer import _HostCopyCollator, _PerTokenReferenceCollator
+    from trl_pruned_dpo.reference import HostCopyCollator, PerTokenReferenceCollator
 
     class PluginForwardAtIdentity(PrunedDPOTrainer):
         _uses_pruned_forward = True  # the per-token reference columns are stored and kept, as with pruning on
@@ -229,8 +237,8 @@ def _plugin_forward_trainer():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if self.args.precompute_ref_log_probs:
-                self.data_collator = _PerTokenReferenceCollator(self.data_collator)
-            self.data_collator = _HostCopyCollator(self.data_collator)
+                self.data_collator = PerTokenReferenceCollator(self.data_collator)
+            self.data_collator = HostCopyCollator(self.data_collator)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if not self.model.training:

@@ -14,4 +14,5 @@ results and the command that produced them. Modules, in the order a run uses the
 - report.py     aggregation over seeds (t-intervals, paired deltas, equal-time readings) and the PNG plots
 - write_doc.py  quality.md from the cached results, with findings.md (the hand-written analysis) included
 - quality.py    the command line that runs all of the above, resumable
+- store.py      the result store it resumes from (JSON keyed by a fingerprint), shared with regimes.py
 """

@@ -40,7 +40,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_pruned_dpo import PrunedDPOTrainer
-from trl_pruned_dpo.masks import (
+from trl_pruned_dpo.method.masks import (
     PruneMasks,
     common_prefix,
     draw_branches,

@@ -18,8 +18,6 @@ the full study into shorter commands); ``--seeds`` and ``--settings`` restrict s
 
 import argparse
 import datetime
-import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -27,7 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from . import store  # the result store the regimes study shares
+from .store import REPO
 
 
 @dataclass(frozen=True)
@@ -64,47 +63,6 @@ def _log(message: str):
     print(f"[{datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
 
 
-def _fingerprint(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _load(path: Path, fingerprint: str):
-    if path.is_file():
-        data = json.loads(path.read_text())
-        if data.get("fingerprint") == fingerprint:
-            return data
-    return None
-
-
-def _save(path: Path, data: dict):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")  # one writer per process (--jobs)
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-
-
-def _setting_key(setting) -> dict:
-    """What identifies a setting's results. Prototype options added after results were first cached are left out
-    at their default, so adding one does not invalidate those results."""
-    key = asdict(setting)
-    for late in ("balanced",):
-        if not key[late]:
-            del key[late]
-    law = key.pop("mask_law")  # was a boolean `shared_masks` when the first results were cached
-    key["shared_masks"] = law == "pair"
-    if law == "row":
-        key["row_masks"] = True
-    return key
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 class Study:
     def __init__(self, profile: Profile, out: Path, docs: Path):
         from .settings import DIAGNOSED, QUICK_DIAGNOSED, QUICK_TRAINED, SETTINGS, TRAINED
@@ -138,8 +96,8 @@ class Study:
         from .evaluate import generation_accuracy, logprob_preference
         from .sft import load_policy
 
-        path, fp = self.out / "start.json", _fingerprint(self.base_fp)
-        cached = _load(path, fp)
+        path, fp = self.out / "start.json", store.fingerprint(self.base_fp)
+        cached = store.load(path, fp)
         if cached:
             return cached["metrics"]
         folder = self.policy()
@@ -149,7 +107,7 @@ class Study:
         metrics.update(generation_accuracy(model, tokenizer, test[: self.profile.n_gen]))
         metrics["logprob_pref"] = logprob_preference(model, tokenizer, test)
         _log(f"starting policy: gen acc {metrics['gen_acc']:.3f}, log-prob preference {metrics['logprob_pref']:.3f}")
-        _save(path, {"fingerprint": fp, "metrics": metrics})
+        store.save(path, {"fingerprint": fp, "metrics": metrics})
         return metrics
 
     def train_parallel(self, jobs: int, seeds=None, names=None, argv_extra=()):
@@ -184,15 +142,15 @@ class Study:
             for name in names or self.trained:
                 setting = SETTINGS[name]
                 path = self.out / "runs" / f"{name}-s{seed}.json"
-                fp = _fingerprint(self.base_fp, _setting_key(setting), seed)
-                if _load(path, fp):
+                fp = store.fingerprint(self.base_fp, store.setting_key(setting), seed)
+                if store.load(path, fp):
                     continue
                 _log(f"train {name} (seed {seed}): {setting.label}")
                 started = time.perf_counter()
                 record = run(setting, seed, folder, train_ds, test_ds, gen_rows, self.cfg, log=_log,
                              save_dir=str(self.out / "policies" / f"stock-s{seed}") if name == "stock" else None)
                 record["fingerprint"] = fp
-                _save(path, record)
+                store.save(path, record)
                 _log(f"  done in {time.perf_counter() - started:.0f}s (train {record['train_time']:.0f}s)")
 
     def timing(self):
@@ -201,14 +159,14 @@ class Study:
 
         path = self.out / "timing.json"
         names = self.trained + [n for n in EXACT_BASELINES if n not in self.trained]
-        fp = _fingerprint(self.base_fp, names, self.profile.timing_rounds, self.profile.timing_steps)
-        if _load(path, fp):
+        fp = store.fingerprint(self.base_fp, names, self.profile.timing_rounds, self.profile.timing_steps)
+        if store.load(path, fp):
             return
         _log(f"step timing, round-robin over {len(names)} settings")
         rows = self.splits["train"][: self.profile.diag_batches * self.cfg.batch_size]
         result = step_times([SETTINGS[n] for n in names], self.policy(), rows, self.cfg,
                             self.profile.timing_rounds, self.profile.timing_steps, log=_log)
-        _save(path, {"fingerprint": fp, "timing": result})
+        store.save(path, {"fingerprint": fp, "timing": result})
 
     def gradients(self, only=None):
         """One cached file per policy state: gradients-start.json, gradients-trained.json, gradients-far.json."""
@@ -227,9 +185,9 @@ class Study:
                 continue
             path = self.out / f"gradients-{state}.json"
             # Results are kept per setting: adding a setting computes only that one.
-            fp = _fingerprint(self.base_fp, self.profile.diag_batches, self.profile.diag_draws,
-                              self.profile.sgd_batches, state)
-            cached = _load(path, fp)
+            fp = store.fingerprint(self.base_fp, self.profile.diag_batches, self.profile.diag_draws,
+                                   self.profile.sgd_batches, state)
+            cached = store.load(path, fp)
             done = cached["diagnostics"] if cached else {}
             missing = [n for n in names if n not in done]
             if not missing:
@@ -237,7 +195,7 @@ class Study:
             _log(f"gradient diagnostics: {state} ({len(missing)} settings)")
 
             def save(partial, path=path, fp=fp, done=done):
-                _save(path, {"fingerprint": fp, "diagnostics": {**done, **partial}})
+                store.save(path, {"fingerprint": fp, "diagnostics": {**done, **partial}})
 
             diagnose([SETTINGS[n] for n in missing], policy, self.policy(), state_rows, self.cfg,
                      self.profile.diag_draws, self.profile.diag_batches, log=_log, on_result=save)

@@ -25,16 +25,14 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .quality import _fingerprint, _load, _save  # the study's one resumable result store
-
-REPO = Path(__file__).resolve().parent.parent
+from . import store  # the result store quality.py uses too
+from .store import REPO
 
 REGIME_NAMES = ("near", "dissimilar")
 BATCHES = (8, 32, 64)
@@ -59,6 +57,9 @@ def run_config(batch: int, steps: int = STEPS):
 
 
 class Regimes:
+    # The design the report reads back from the study (regimes_report.py is below this module and never imports it).
+    diagnosed, timing_rounds = DIAGNOSED, TIMING_ROUNDS
+
     def __init__(self, out: Path, steps: int = STEPS, n_test: int = N_TEST, quick: bool = False):
         from .sft import SFTSpec
 
@@ -93,11 +94,10 @@ class Regimes:
         return self._data_keys[regime]
 
     def fingerprint(self, regime, batch, setting, seed) -> str:
-        from .quality import _setting_key
         from .settings import SETTINGS as ALL
 
-        return _fingerprint(self.sft.key(), regime, self.data_key(regime), self.n_test,
-                            asdict(run_config(batch, self.steps)), _setting_key(ALL[setting]), seed)
+        return store.fingerprint(self.sft.key(), regime, self.data_key(regime), self.n_test,
+                                 asdict(run_config(batch, self.steps)), store.setting_key(ALL[setting]), seed)
 
     def train_one(self, regime, batch, setting, seed):
         from .settings import SETTINGS as ALL
@@ -105,14 +105,14 @@ class Regimes:
         from .train import run
 
         path, fp = self.path(regime, batch, setting, seed), self.fingerprint(regime, batch, setting, seed)
-        if _load(path, fp):
+        if store.load(path, fp):
             return
         splits = self.splits(regime)
         started = time.perf_counter()
         record = run(ALL[setting], seed, self.policy(), as_dataset(splits["train"]), as_dataset(splits["test"]), [],
                      run_config(batch, self.steps), log=lambda m: None)
         record.update(fingerprint=fp, regime=regime, batch=batch)
-        _save(path, record)
+        store.save(path, record)
         print(f"  {regime}-b{batch} {setting} s{seed}: {time.perf_counter() - started:.0f}s, final pref "
               f"{record['curve'][-1]['pref_acc']:.3f}", flush=True)
 
@@ -125,7 +125,7 @@ class Regimes:
         for seed in seeds:
             for regime in regimes:
                 todo = [f"{b}:{s}" for b in batches for s in settings
-                        if not _load(self.path(regime, b, s, seed), self.fingerprint(regime, b, s, seed))]
+                        if not store.load(self.path(regime, b, s, seed), self.fingerprint(regime, b, s, seed))]
                 if todo:
                     groups.append((regime, seed, todo))
         print(f"{sum(len(g[2]) for g in groups)} runs to do in {len(groups)} processes", flush=True)
@@ -151,16 +151,16 @@ class Regimes:
         for regime in regimes:
             for batch in batches:
                 path = self.out / f"timing-{regime}-b{batch}.json"
-                fp = _fingerprint(self.sft.key(), regime, self.data_key(regime), batch, names, TIMING_ROUNDS,
-                                  TIMING_STEPS)
-                if _load(path, fp):
+                fp = store.fingerprint(self.sft.key(), regime, self.data_key(regime), batch, names, TIMING_ROUNDS,
+                                       TIMING_STEPS)
+                if store.load(path, fp):
                     continue
                 print(f"step timing {regime}-b{batch}, round-robin over {len(names)} settings", flush=True)
                 cfg = run_config(batch, self.steps)
                 rows = self.splits(regime)["train"][: 4 * batch]
                 result = step_times([ALL[n] for n in names], self.policy(), rows, cfg, TIMING_ROUNDS, TIMING_STEPS,
                                     log=lambda m: print(m, flush=True))
-                _save(path, {"fingerprint": fp, "timing": result})
+                store.save(path, {"fingerprint": fp, "timing": result})
 
     def gradients(self, regimes):
         """B_simple and each setting's r per regime, at the starting policy, batches of 8 pairs."""
@@ -171,21 +171,13 @@ class Regimes:
         sgd_batches, diag_batches, draws = (4, 1, 2) if self.quick else (16, 4, 8)
         for regime in regimes:
             path = self.out / f"gradients-{regime}.json"
-            fp = _fingerprint(self.sft.key(), regime, sgd_batches, diag_batches, draws, DIAGNOSED)
-            if _load(path, fp):
+            fp = store.fingerprint(self.sft.key(), regime, sgd_batches, diag_batches, draws, DIAGNOSED)
+            if store.load(path, fp):
                 continue
             rows = self.splits(regime)["train"][: sgd_batches * cfg.batch_size]
             result = diagnose([ALL[n] for n in DIAGNOSED], self.policy(), self.policy(), rows, cfg, draws,
                               diag_batches, log=lambda m: print(m, flush=True))
-            _save(path, {"fingerprint": fp, "diagnostics": result})
-
-
-def b_simple(meta: dict) -> float:
-    """tr(Σ) / |G|² from diagnose's metadata: per-batch noise E|g_B - G|² = tr(Σ) / B, and |Ḡ|² of the mean of n
-    batches, which overestimates |G|² by tr(Σ) / (n B)."""
-    batch, noise, n = meta["batch_size"], meta["sgd_noise"], meta["sgd_batches"]
-    g2 = meta["pooled_norm2"] - noise / n
-    return batch * noise / g2 if g2 > 0 else math.inf
+            store.save(path, {"fingerprint": fp, "diagnostics": result})
 
 
 def main(argv=None):

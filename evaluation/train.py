@@ -135,8 +135,11 @@ def package_digest() -> str:
 
     root = Path(trl_pruned_dpo.__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(root.glob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
+    # Every module of the trainer, in its subpackages too (method/, safety/, cli/); the demo is not the trainer.
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root)
+        if name.parts[0] != "demo":
+            digest.update(name.as_posix().encode() + path.read_bytes())
     return digest.hexdigest()[:12]
 
 

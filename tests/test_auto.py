@@ -9,7 +9,7 @@ from datasets import Dataset
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo import auto
-from trl_pruned_dpo.masks import draw_branches, draw_masks, draw_positions
+from trl_pruned_dpo.method.masks import draw_branches, draw_masks, draw_positions
 
 from conftest import build_trainer, first_batch, preference_rows
 
@@ -276,15 +276,17 @@ def test_measurement_does_not_move_the_draws(tokenizer, mixed_dataset, tmp_path)
 def test_measurement_halves_carry_their_own_host_layout(tokenizer, mixed_dataset, tmp_path):
     """auto's half-batch measurements run through the plan, which reads the collator's host copy: it must describe the
     same rows as the device tensors (else the packed layout would index the full batch)."""
-    from trl_pruned_dpo.plan import HostBatch
-    from trl_pruned_dpo.trainer import HOST_KEY
+    from trl_pruned_dpo.method.plan import HostBatch
+    from trl_pruned_dpo.reference import HOST_KEY
 
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, mixed_dataset, tmp_path,
                             per_device_train_batch_size=16, max_steps=2, branch_keep_prob="auto", share_prompt=True,
                             use_cpu=True)
     batch = next(iter(trainer.get_train_dataloader()))
     assert isinstance(batch[HOST_KEY], HostBatch)
-    half = auto._subset(batch, torch.tensor([3, 5]), 16)
+    from trl_pruned_dpo.reference import select_pairs
+
+    half = select_pairs(batch, torch.tensor([3, 5]), 16)
     for name in ("input_ids", "attention_mask", "completion_mask"):
         assert torch.equal(getattr(half[HOST_KEY], name), half[name].cpu())
     trainer.train()  # measures at step 0 on the shared-prompt forward, then trains

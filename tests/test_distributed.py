@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_pruned_dpo.masks import draw_masks, mask_generator
+from trl_pruned_dpo.method.masks import draw_masks, mask_generator
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "tests" / "distributed" / "run_pruned.py"

@@ -11,8 +11,8 @@ from trl import DPOConfig, DPOTrainer
 import trl_pruned_dpo.trainer as trainer_module
 from tiny import build_trainer, first_batch, preference_rows, tiny_model, tiny_moe_model
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
-from trl_pruned_dpo._trl import _HeadRows, head_rows_scored
-from trl_pruned_dpo.trainer import REF_TOKEN_COLUMNS
+from trl_pruned_dpo.seam import _HeadRows, head_rows_scored
+from trl_pruned_dpo.reference import REF_TOKEN_COLUMNS
 
 
 def pruned(tokenizer, dataset, tmp_path, **kw):
@@ -190,7 +190,7 @@ def test_replay_seam_assumptions(tokenizer, dataset, tmp_path, monkeypatch):
     trainer = pruned(tokenizer, dataset, tmp_path, position_keep_prob=0.5, use_weighting=True)
     calls, reads = [], set()
 
-    class Recording(trainer_module._Replay):
+    class Recording(trainer_module.Replay):
         def __call__(self, *args, **kwargs):
             calls.append(sorted(kwargs))
             outputs = super().__call__(*args, **kwargs)
@@ -201,7 +201,7 @@ def test_replay_seam_assumptions(tokenizer, dataset, tmp_path, monkeypatch):
                     return getattr(outputs, name)
             return Spy()
 
-    monkeypatch.setattr(trainer_module, "_Replay", Recording)
+    monkeypatch.setattr(trainer_module, "Replay", Recording)
     compute = trainer._compute_loss
     before = {}
 

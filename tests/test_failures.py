@@ -32,13 +32,14 @@ import torch
 from conftest import build_trainer, preference_rows
 from datasets import Dataset
 
-from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer, checkpoints, cli
-from trl_pruned_dpo.checkpoints import MARKER, DiskFullError, ResumeError
-from trl_pruned_dpo.guards import (
-    MAX_INVERSE_WEIGHT, DivergenceGuard, EmptyTrainingSet, TrainingDiverged, largest_inverse_weight,
-    pretraining_warnings,
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer, cli
+from trl_pruned_dpo.safety import checkpoints
+from trl_pruned_dpo.errors import DiskFullError, EmptyTrainingSet, OutputDirError, ResumeError, TrainingDiverged
+from trl_pruned_dpo.safety.checkpoints import MARKER
+from trl_pruned_dpo.safety.guards import (
+    MAX_INVERSE_WEIGHT, DivergenceGuard, largest_inverse_weight, pretraining_warnings,
 )
-from trl_pruned_dpo.output_dir import LOCK_NAME, OutputDirError, OutputLock, check_writable
+from trl_pruned_dpo.safety.output_dir import LOCK_NAME, OutputLock, check_writable
 
 REPO = Path(__file__).resolve().parents[1]
 SAVE = dict(max_steps=6, save_strategy="steps", save_steps=2, logging_steps=3, branch_keep_prob=0.5,
@@ -336,7 +337,7 @@ def test_read_only_output_dir_fails_before_any_work(tmp_path, offline_cli, monke
     elif _unshare_works():  # root ignores permission bits: a read-only mount
         ro = tmp_path / "ro"
         ro.mkdir()
-        code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from trl_pruned_dpo.output_dir import "
+        code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from trl_pruned_dpo.safety.output_dir import "
                 f"check_writable; check_writable({str(ro / 'out')!r})")
         result = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
                                  f"mount -t tmpfs -o ro tmpfs {ro} && exec {sys.executable} -c \"{code}\""],
@@ -357,7 +358,7 @@ def test_read_only_output_dir_fails_before_any_work(tmp_path, offline_cli, monke
 def test_second_run_on_a_locked_output_dir_fails_and_a_stale_lock_is_taken_over(tmp_path, offline_cli, monkeypatch):
     out = tmp_path / "shared"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from trl_pruned_dpo.output_dir import OutputLock\n"
+        [sys.executable, "-c", "import sys, time; from trl_pruned_dpo.safety.output_dir import OutputLock\n"
          f"with OutputLock({str(out)!r}):\n    print('locked', flush=True); time.sleep(120)"],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trl_pruned_dpo.masks import (
+from trl_pruned_dpo.method.masks import (
     common_prefix,
     draw_branches,
     draw_masks,

@@ -14,8 +14,8 @@ from trl import DPOConfig, DPOTrainer
 from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, preference_rows, tiny_model
 from test_off_means_stock import assert_same_step
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
-from trl_pruned_dpo.masks import PruneMasks
-from trl_pruned_dpo.plan import HostBatch, common_tokens, pack, plan_policy, shared_is_cheaper
+from trl_pruned_dpo.method.masks import PruneMasks
+from trl_pruned_dpo.method.plan import HostBatch, common_tokens, pack, plan_policy, shared_is_cheaper
 
 
 def edge_rows():
@@ -245,7 +245,8 @@ def test_one_sync_and_one_checkpointing_toggle_per_micro_step(share, tokenizer, 
             import sys
 
             caller = sys._getframe(1).f_code.co_filename
-            if caller.endswith(("trl_pruned_dpo/trainer.py", "trl_pruned_dpo/execute.py")):
+            if caller.endswith(("trl_pruned_dpo/trainer.py", "trl_pruned_dpo/method/execute.py",
+                                "trl_pruned_dpo/metrics.py", "trl_pruned_dpo/reference.py", "trl_pruned_dpo/seam.py")):
                 calls.append((_name, sys._getframe(1).f_lineno))
             return _original(self, *args, **kwargs)
 
@@ -257,5 +258,5 @@ def test_one_sync_and_one_checkpointing_toggle_per_micro_step(share, tokenizer, 
     for micro_step in range(3):
         calls.clear(), toggles.clear()
         loss_and_grads(trainer, batch)
-        assert len(calls) == 1, calls  # the gathered counts of _log_pruned_metrics; the counter does see it
+        assert len(calls) == 1, calls  # the gathered counts of metrics.log_pruned_metrics; the counter does see it
         assert len(toggles) == 1

@@ -1,4 +1,4 @@
-"""`python -m trl_pruned_dpo`: the same as the `trl-pruned-dpo` console script (see cli.py)."""
+"""`python -m trl_pruned_dpo`: the same as the `trl-pruned-dpo` console script (see cli/)."""
 
 from .cli import main
 

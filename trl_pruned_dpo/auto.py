@@ -10,18 +10,14 @@ r(p) = Var(pruned - exact) / Var(minibatch) per pair. c(p) is the relative cost 
 pairs per optimizer step, B_simple = tr(Σ) / |G|² the simple noise scale. Pruning pays when B >> B_simple (1 + r):
 then its extra noise is nearly free; when B <~ B_simple it costs steps in proportion.
 
-Among the settings (A1) predicts to cost at most MAX_STEP_INFLATION more steps (so quality at equal steps is kept),
-the cheapest is chosen; where none saves MIN_GAIN, everything is kept (the exact gradient). The extra steps are
-B_simple r / (B + B_simple) = Var(pruned - exact) / (B |G|² + tr Σ) (A2); since one measurement on a few pairs is
-noisy (the regimes study: up to 5x between seeds), the choice uses the one-sided UPPER_Z upper bound of (A2), a
-jackknife over the measurement's groups, not its point estimate.
+Among the settings (A1) predicts to cost at most MAX_STEP_INFLATION more steps, the cheapest is chosen; where none
+saves MIN_GAIN, everything is kept. The extra steps, Var(pruned - exact) / (B |G|² + tr Σ) (A2), are read at the
+one-sided UPPER_Z upper bound of a jackknife over the measurement's groups (one measurement is noisy).
 
-Everything here is a pure function of tensors and numbers except `AutoKeepProbs`, which the trainer owns: it measures
-B_simple and r on a few pairs of the current batch at fixed steps (exact gradients of GROUPS groups and one pruned draw,
-with `torch.autograd.grad`, so nothing touches `.grad`), and chooses the probabilities of each draw *before* that draw
-(they depend on past measurements and on the batch's tokens only, never on the draw), so the estimators stay unbiased.
-Per pair, near-copies (chosen and rejected equal on most aligned positions) keep both branches: their per-branch
-gradients are large and cancel in the pair, so dropping one branch is the worst case (docs/quality.md: r ~ 10-30).
+Pure functions of numbers, except `AutoKeepProbs` (owned by the trainer): it measures B_simple and r on a few pairs
+of the batch at fixed steps (exact gradients of GROUPS groups and one pruned draw, by `torch.autograd.grad`) and sets
+each draw's probabilities *before* that draw, from past measurements and the batch's tokens only (so the estimators
+stay unbiased). Near-copy pairs keep both branches: their branch gradients cancel in the pair (docs/quality.md).
 """
 
 import logging
@@ -31,42 +27,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .plan import HostBatch
+from .config import BRANCH_GRID, POSITION_GRID
+from .method.masks import NEAR_COPY, pair_overlap, per_pair_branch_probs
+from .reference import select_pairs
 
 logger = logging.getLogger(__name__)
 
 MEASURE_EVERY = 200  # optimizer steps between measurements (the first is at step 0)
 MEASURE_PAIRS = 32  # pairs of the current batch a measurement uses, at most
 GROUPS = 8  # the measured pairs are split in this many groups (k - 1 degrees of freedom for tr(Σ); the jackknife)
-NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
 MIN_GAIN = 0.05  # prune only when (A1) predicts at least this saving: the measurements are noisy
 # and only where (A1) predicts at most 5% more steps to a loss than the exact gradient, at the UPPER_Z bound of the
 # measured noise (B_simple grows as training goes on: docs/quality.md, regimes)
 MAX_STEP_INFLATION = 0.05
 UPPER_Z = 1.28  # one-sided 90% bound on the extra steps (A2), from the jackknife over groups
-BRANCH_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
-POSITION_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 EMA = 0.5  # weight of a new measurement in the running estimates
-
-
-def pair_overlap(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-    """(pairs,) fraction of the longer response's positions where chosen and rejected hold the same token after the
-    same token, in the same column (responses start at the same column in TRL's padded batch). Near-copies ~1; two
-    independent answers ~0, even where separators happen to line up (the preceding token then differs)."""
-    response = completion_mask[:, 1:].bool()
-    ids = input_ids[:, 1:]
-    previous = input_ids[:, :-1]
-    ids_w, ids_l = ids.chunk(2)
-    prev_w, prev_l = previous.chunk(2)
-    resp_w, resp_l = response.chunk(2)
-    same = ((ids_w == ids_l) & (prev_w == prev_l) & resp_w & resp_l).sum(dim=1).double()
-    longer = torch.maximum(resp_w.sum(dim=1), resp_l.sum(dim=1)).clamp(min=1).double()
-    return (same / longer).cpu()
-
-
-def per_pair_branch_probs(overlap: torch.Tensor, keep_prob: float) -> torch.Tensor:
-    """Near-copies (overlap >= NEAR_COPY) keep both branches; every other pair gets `keep_prob`."""
-    return torch.where(overlap >= NEAR_COPY, torch.ones_like(overlap), torch.full_like(overlap, keep_prob))
 
 
 def head_share(config) -> float:
@@ -143,11 +118,6 @@ def extra_steps_bound(gram: list[list[float]], extra: list[float], pairs_per_gro
     return point, point + UPPER_Z * error
 
 
-def _upper_tail() -> float:
-    """The one-sided tail probability of UPPER_Z (standard normal)."""
-    return 0.5 * math.erfc(UPPER_Z / math.sqrt(2.0))
-
-
 @dataclass
 class Choice:
     branch_keep_prob: float
@@ -215,7 +185,6 @@ class NoiseEstimates:
     small: int = 0
     big: int = 0
     extra: dict = field(default_factory=dict)
-    measurements: int = 0
 
     def update(self, name: str, value: float):
         old = getattr(self, name) if name in ("small2", "big2") else self.extra.get(name)
@@ -243,25 +212,13 @@ class NoiseEstimates:
         return self.extra[family] / trace
 
 
-def _subset(inputs: dict, pair_index: torch.Tensor, pairs: int) -> dict:
-    """The stacked batch restricted to `pair_index` (both rows of each pair)."""
-    rows = torch.cat([pair_index, pair_index + pairs])
-    out = {}
-    for key, value in inputs.items():
-        if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == 2 * pairs:
-            value = value[rows.to(value.device)]
-        elif torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == pairs:
-            value = value[pair_index.to(value.device)]
-        elif isinstance(value, HostBatch):  # the plan's host copy must describe the same rows
-            value = HostBatch(value.input_ids[rows], value.attention_mask[rows], value.completion_mask[rows])
-        out[key] = value
-    return out
-
-
 class AutoKeepProbs:
     """Owned by the trainer when a keep probability is "auto": measures, chooses, and logs why."""
 
-    def __init__(self, args, model_config):
+    def __init__(self, args, model_config, loss):
+        """`loss(model, inputs)`: the package's own training loss (not a subclass's: its bookkeeping must not see the
+        measurement as a step), under the trainer's `_forced_mask_options`."""
+        self.loss = loss
         self.branch_auto = args.branch_keep_prob == "auto"
         self.position_auto = args.position_keep_prob == "auto"
         self.args = args
@@ -281,11 +238,9 @@ class AutoKeepProbs:
     def _gradient(self, trainer, model, inputs, options: dict) -> tuple[torch.Tensor, int]:
         """The flat gradient of the package's loss under `options`, and the work it took (token units)."""
         params = [p for p in model.parameters() if p.requires_grad]
-        from .trainer import PrunedDPOTrainer  # the package's own loss: subclasses' bookkeeping sees no extra step
-
         trainer._forced_mask_options = options
         try:
-            loss = PrunedDPOTrainer.compute_loss(trainer, model, inputs)
+            loss = self.loss(model, inputs)
         finally:
             trainer._forced_mask_options = None
         stats = trainer.last_prune_stats
@@ -320,7 +275,7 @@ class AutoKeepProbs:
         exact = {**base_options, "position_keep_prob": 1.0, "prefix_prune_prob": 0.0, "branch_keep_prob": 1.0,
                  "generator": generator}
         index = torch.randperm(pairs, generator=generator)[:m]
-        chunks = [_subset(inputs, chunk, pairs) for chunk in index.chunk(groups)]
+        chunks = [select_pairs(inputs, chunk, pairs) for chunk in index.chunk(groups)]
         per_group = [self._gradient(trainer, model, chunk, exact) for chunk in chunks]
         exact_grads = [grad for grad, _ in per_group]
         exact_work = sum(work for _, work in per_group)
@@ -345,7 +300,7 @@ class AutoKeepProbs:
             self.upper_factor[family] = upper / point if point > 0 else 1.0
             return work
 
-        both = _subset(inputs, index, pairs)
+        both = select_pairs(inputs, index, pairs)
         # A family that cannot save MIN_GAIN is not measured: all near-copies (no branch is ever frozen), or an LM head
         # too small a share of the work for position pruning to matter; it is then kept at 1 with no extra noise.
         overlap = pair_overlap(both["input_ids"], both["completion_mask"])
@@ -372,7 +327,6 @@ class AutoKeepProbs:
             pruned, _ = self._gradient(trainer, model, both, fixed)
             pruned -= sum(exact_grads) / groups
             self.noise.update("fixed", m * float(pruned.pow(2).sum()))
-        self.noise.measurements += 1
         for k, v in trainer._metrics["train"].items():
             del v[metrics.get(k, 0):]
         trainer.last_prune_stats, trainer._last_masks = stats, masks
@@ -386,7 +340,6 @@ class AutoKeepProbs:
             self._measured_step = step
             self.measure(trainer, model, inputs, base_options, generator)
             self._decide(inputs, step)
-        pairs = inputs["input_ids"].size(0) // 2
         overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"])
         options = dict(base_options)
         if self.branch_auto:
@@ -398,7 +351,6 @@ class AutoKeepProbs:
             float(branch.mean()) if torch.is_tensor(branch) else float(branch))
         trainer._metrics["train"]["prune/position_keep_prob"].append(float(options["position_keep_prob"]))
         trainer._metrics["train"]["prune/auto_b_simple"].append(min(self.noise.b_simple(), 1e9))
-        del pairs
         return options
 
     def _decide(self, inputs, step: int):
@@ -422,7 +374,7 @@ class AutoKeepProbs:
             self.choice.reason += (f"; position kept at 1, not measured: the LM head is {self.head:.0%} of the work, "
                                    f"too little for position pruning to save {MIN_GAIN:.0%}")
         if any(r > 0 for r in points.values()):
-            self.choice.reason += (f"; the noise ratios are {1 - _upper_tail():.0%} upper bounds from {GROUPS} groups "
+            self.choice.reason += (f"; the noise ratios are {1 - 0.5 * math.erfc(UPPER_Z / math.sqrt(2.0)):.0%} upper bounds from {GROUPS} groups "
                                    f"(point estimates: branch {points['branch']:.2f}, position "
                                    f"{points['position']:.2f})")
         record = {"step": step, "b_simple": b_simple, "r_branch": r_branch, "r_position": r_position,

@@ -21,9 +21,11 @@ TRL_LOSS_TYPES = (
 # response prefix cancels exactly there, so `prune_common_prefix` changes nothing but the cost (docs/method.md).
 PAIR_DIFFERENCE_LOSSES = frozenset({"sigmoid", "hinge", "robust", "exo_pair", "discopop"})
 
-# The keep probabilities the trainer may choose itself (trl_pruned_dpo/auto.py).
+# The keep probabilities the trainer may choose itself (trl_pruned_dpo/auto.py), and the values it chooses among.
 AUTO = "auto"
 AUTO_FIELDS = ("position_keep_prob", "branch_keep_prob")
+BRANCH_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
+POSITION_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 
 
 def keep_prob_or_auto(value):
@@ -96,7 +98,7 @@ class PrunedDPOConfig(DPOConfig):
             Checkpoints store the pruning fields above; resuming with other values is refused unless this is set.
         stop_on_divergence (`bool`, *optional*, defaults to `True`):
             Stop training when a step's loss or gradient norm is non-finite or explodes, without checkpointing that
-            step, naming the last complete checkpoint (trl_pruned_dpo/guards.py).
+            step, naming the last complete checkpoint (trl_pruned_dpo/safety/guards.py).
     """
 
     position_keep_prob: keep_prob_or_auto = field(
@@ -148,7 +150,7 @@ class PrunedDPOConfig(DPOConfig):
         metadata={"help": "Seed of the mask generator (defaults to `seed`)."},
     )
 
-    # Failures and resume (docs/cli.md, "Failures and resume"; checkpoints.py, guards.py)
+    # Failures and resume (docs/cli.md, "Failures and resume"; safety/)
     allow_pruning_change_on_resume: bool = field(
         default=False,
         metadata={"help": "Resume even if the checkpoint was trained with other pruning settings (prune_seed, keep "
@@ -253,3 +255,15 @@ class PrunedDPOConfig(DPOConfig):
                     "per-branch length-normalised probabilities, which change when the common prefix is dropped. "
                     "Set one of the two to its default."
                 )
+
+
+def uses_pruned_forward(args) -> bool:
+    """THE switch between the plugin's forward and TRL's own: with it False, training, the reference precompute, the
+    collator and the signature columns are stock's (exact parity by construction, docs/parity.md).
+
+    True when any estimator is on (`pruning_enabled`, which includes `prune_common_prefix`) or when an exact plugin
+    feature needs the plugin's forward (`share_prompt`).
+    """
+    if not isinstance(args, PrunedDPOConfig):
+        return False
+    return args.pruning_enabled or args.share_prompt

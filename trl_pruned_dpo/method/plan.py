@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .masks import PruneMasks
+from .masks import PruneMasks, pair_agreement, positions_needed
 
 SHARED, CHOSEN, REJECTED = 0, 1, 2  # segment ids inside an item; a lone row is one SHARED segment
 
@@ -102,18 +102,9 @@ def unshared_rows(
 
 def common_tokens(host: HostBatch) -> list[int]:
     """Per pair, the number s of leading tokens its chosen and rejected rows have in common (prompt included)."""
-    ids, valid = host.input_ids, host.attention_mask.bool()
-    pairs = ids.size(0) // 2
-    lengths = valid.sum(dim=1)
-    equal = (ids[:pairs] == ids[pairs:]) & valid[:pairs] & valid[pairs:]
-    run = equal.long().cumprod(dim=1).sum(dim=1)
-    return [min(int(r), int(a), int(b)) for r, a, b in zip(run, lengths[:pairs], lengths[pairs:])]
-
-
-def positions_needed(scored: torch.Tensor) -> list[int]:
-    """Per row, how many input positions must run: up to the one scoring its last scored column (0 if none)."""
-    cols = torch.arange(1, scored.size(1) + 1)
-    return (scored.long() * cols).amax(dim=1).tolist() if scored.numel() else [0] * scored.size(0)
+    valid = host.attention_mask.bool()
+    both = pair_agreement(host.input_ids, valid) & valid.chunk(2)[0]
+    return both.long().cumprod(dim=1).sum(dim=1).tolist()
 
 
 def _item_segments(pair: int, pairs: int, rows: tuple[int, ...], s: int, need: list[int]):
@@ -147,7 +138,7 @@ def pack(
     """
     ids = host.input_ids
     pairs, cols = ids.size(0) // 2, scored.size(1)
-    need = positions_needed(scored)
+    need = positions_needed(scored).tolist()
     built = []  # per item: list of segments with their lengths
     for pair, rows in items:
         segments = [seg for seg in _item_segments(pair, pairs, rows, common[pair], need) if seg[2] > seg[1]]
@@ -230,7 +221,7 @@ def plan_policy(
     """
     scored, backprop = masks.scored.cpu(), masks.backprop.cpu().tolist()
     pairs = scored.size(0) // 2
-    need = positions_needed(scored)
+    need = positions_needed(scored).tolist()
     grad_items, frozen_items = [], []
     shared_pairs = split_pairs = 0
     for pair in range(pairs):

@@ -1,4 +1,4 @@
-"""One run per output folder, and a folder that can be written, checked before any work.
+"""One run per output folder, and a folder that can be written, checked before any work (`preflight`).
 
 The lock is an advisory `flock` on `output_dir/LOCK_NAME`: the kernel releases it when the process ends, however it
 ends (kill -9 included), so a lock file left behind by a dead run is stale by construction and simply taken over. The
@@ -12,13 +12,13 @@ import os
 import socket
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
+from ..errors import OutputDirError
+from . import checkpoints
+
 LOCK_NAME = ".trl-pruned-dpo.lock"
-
-
-class OutputDirError(Exception):
-    """The output folder cannot be used: not writable, or another run holds it. One line."""
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -31,20 +31,21 @@ def _existing_ancestor(path: Path) -> Path:
 def check_writable(output_dir: str | os.PathLike) -> None:
     """Fail in one line if `output_dir` (or, before it exists, the folder it will be created in) cannot be written.
 
-    Creates and removes a temporary file there: permission bits alone miss read-only mounts and root squash.
+    Creates and removes a temporary file there: permission bits alone miss read-only mounts, root squash and /proc
+    (where `os.access` says yes to root).
     """
-    target = Path(output_dir)
+    target = Path(output_dir).expanduser()
     where = target if target.is_dir() else _existing_ancestor(target)
     if not where.is_dir():
-        raise OutputDirError(f"output_dir {output_dir} cannot be created: {where} is not a folder. Choose another "
-                             "output_dir.")
+        raise OutputDirError(f"output_dir {output_dir} cannot be created: {where} is a file, not a folder. Choose "
+                             "another output_dir.")
     try:
         with tempfile.NamedTemporaryFile(dir=where, prefix=".trl-pruned-dpo-write-test-"):
             pass
     except OSError as error:
         reason = error.strerror or str(error)
-        raise OutputDirError(f"output_dir {output_dir} is not writable ({where}: {reason}): choose a writable "
-                             "output_dir or fix its permissions.") from None
+        raise OutputDirError(f"output_dir {output_dir} is not writable: {where} cannot be written ({reason}). Choose "
+                             "a writable output_dir or fix its permissions.") from None
 
 
 def _owner(path: Path) -> str:
@@ -127,3 +128,21 @@ class OutputLock:
             os.close(self.fd)
             self.fd = None
         return False
+
+
+def is_main_process() -> bool:
+    """The process that owns the run's lock: the only one, or global rank 0 under a launcher."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def preflight(training_args) -> None:
+    """One-line errors (OutputDirError, ResumeError) before any work: writable, not in use, resumable."""
+    check_writable(training_args.output_dir)
+    if is_main_process():  # the other ranks would see their own run's lock
+        check_free(training_args.output_dir)
+    checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args)
+
+
+def output_lock(output_dir):
+    """`OutputLock(output_dir)` in the main process; nothing in the other ranks of the same run."""
+    return OutputLock(output_dir) if is_main_process() else nullcontext()

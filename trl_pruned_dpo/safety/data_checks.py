@@ -14,7 +14,30 @@ Streaming (iterable) datasets are not checked: counting them would consume them.
 
 import warnings
 
-from .guards import EmptyTrainingSet
+from ..errors import EmptyTrainingSet
+
+VISION_ERROR = (
+    "Pruning supports text datasets only (the pruned forward slices rows and columns of token tensors, not images): "
+    "turn pruning off (keep probabilities 1, prefix_prune_prob=0, prune_common_prefix=False) to train a "
+    "vision-language model, which is then stock DPOTrainer."
+)
+
+
+def check_prunable(args, train_dataset, processing_class) -> None:
+    """Reject what stock accepts but the pruned forward cannot do, before any work."""
+    from transformers import ProcessorMixin
+
+    parallel = args.parallelism_config
+    if parallel is not None and parallel.non_data_parallel_size > 1:
+        raise ValueError(
+            f"Pruning with tensor/context/sequence parallelism (tp={parallel.tp_size}, cp={parallel.cp_size}, "
+            f"sp={parallel.sp_size}) is not supported: the ranks that share a batch would draw different masks. Use "
+            "data parallelism only (FSDP/ZeRO/DDP), or turn pruning off."
+        )
+    if isinstance(processing_class, ProcessorMixin) and train_dataset is not None:
+        sample = next(iter(train_dataset))
+        if "image" in sample or "images" in sample:
+            raise ValueError(VISION_ERROR)
 
 _BATCH = 1024  # rows read at a time
 

@@ -15,20 +15,16 @@ import math
 import statistics
 import warnings
 
+from ..config import AUTO, BRANCH_GRID, POSITION_GRID
+from ..errors import EmptyTrainingSet
+from . import checkpoints
+
 # Above this largest weight, a small batch mostly keeps nothing (zero gradient) and the rare kept term is multiplied
 # by the weight: with keep probabilities 0.01 a measured run had 28 of 30 steps with gradient norm 0 and the others
 # near 1,000. 20 is e.g. branch 0.25 with position 0.2; docs/cli.md "Failures and resume".
 MAX_INVERSE_WEIGHT = 20.0
 EXPLOSION_FACTOR = 1e3  # a step's |loss| or grad norm this many times the median of the earlier steps: diverged
 _HISTORY = 100  # steps in the running median
-
-
-class TrainingDiverged(RuntimeError):
-    """A non-finite or exploding loss / gradient norm: one line, with the last good checkpoint."""
-
-
-class EmptyTrainingSet(ValueError):
-    """Every training row was dropped before training (TRL's truncation filter): one line."""
 
 
 def check_not_empty(dataset, args) -> None:
@@ -44,9 +40,6 @@ def check_not_empty(dataset, args) -> None:
 
 def largest_inverse_weight(args) -> float:
     """The largest weight the configured sampling gives a token's contribution to the gradient (Eqs. 1-3)."""
-    from .auto import BRANCH_GRID, POSITION_GRID
-    from .config import AUTO
-
     # "auto" picks from its grid (auto.py): its smallest value bounds the weight
     position = min(POSITION_GRID) if args.position_keep_prob == AUTO else args.position_keep_prob
     branch = min(BRANCH_GRID) if args.branch_keep_prob == AUTO else args.branch_keep_prob
@@ -140,6 +133,14 @@ class DivergenceGuard:
             parts.append(f"{self.zero_grad_steps} of {self.steps} steps with zero gradient")
         return ", ".join(parts) or None
 
+    @classmethod
+    def from_run_state(cls, run_state: dict | None) -> "DivergenceGuard":
+        """A guard that continues the one saved in a checkpoint's run state (a new one if there is none)."""
+        guard = cls()
+        if run_state and "guard" in run_state:
+            guard.load_state_dict(run_state["guard"])
+        return guard
+
     # Saved in each checkpoint (checkpoints.RUN_STATE) so that a resumed run reports the worst of the whole run.
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("worst_loss", "worst_grad_norm", "nonfinite_steps", "zero_grad_steps",
@@ -148,3 +149,23 @@ class DivergenceGuard:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, tuple(value) if key.startswith("worst") and value is not None else value)
+
+
+def check_step(trainer, loss, grad_norm) -> str | None:
+    """An optimizer step just ended with `loss` (this process's, summed over its micro-steps): record it, and when it
+    diverged (and `stop_on_divergence`), stop training without checkpointing it. Returns the one-line reason, or
+    None. Every process takes the same decision (the loss is averaged across them first)."""
+    args = trainer.args
+    if args.world_size > 1:
+        loss = trainer.accelerator.reduce(loss, reduction="mean")
+    norm = None if grad_norm is None else float(grad_norm)
+    step = trainer.state.global_step
+    problem = trainer.divergence_guard.observe(step, float(loss), norm)
+    if problem is None or not args.stop_on_divergence:
+        return None
+    last = checkpoints.last_complete(trainer._get_output_dir(trial=None))
+    restart = f"resume from the last complete checkpoint, {last}" if last else "start again"
+    trainer.control.should_save = trainer.control.should_evaluate = False
+    trainer.control.should_training_stop = True
+    return (f"training diverged at step {step}: {problem}. Stopped without checkpointing it. Lower learning_rate (or "
+            f"raise the keep probabilities) and {restart}; or pass --stop_on_divergence false to train on.")

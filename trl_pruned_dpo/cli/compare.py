@@ -15,6 +15,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from ..errors import PROG, InputError
+from .data import apply_thread_count, check_splits, go_offline, load_data, resolve_model
+
 
 class _HeldOutCurve(TrainerCallback):
     """Records (step, training seconds, held-out reward accuracy) at each evaluation; training seconds exclude the
@@ -104,19 +107,18 @@ def compare(script_args, training_args, model_args, dataset_args) -> int:
     """Train stock, then pruned; print the rows, write compare.json and compare.png. Returns the exit code."""
     from trl import DPOTrainer
 
-    from .. import cli
     from ..trainer import PrunedDPOTrainer
 
     if training_args.eval_strategy == "no":
-        raise cli.InputError("--compare needs held-out pairs: set `eval_strategy: steps` (and `eval_steps`).")
+        raise InputError("--compare needs held-out pairs: set `eval_strategy: steps` (and `eval_steps`).")
     if not training_args.pruning_enabled:
-        raise cli.InputError("--compare needs pruning settings to compare with stock: set e.g. "
+        raise InputError("--compare needs pruning settings to compare with stock: set e.g. "
                              "`prefix_prune_prob: 0.5` and `prune_common_prefix: true`.")
-    cli._apply_thread_count()
-    cli._go_offline()  # the demo is offline; a hub model must be in the local cache
-    model_path = cli.resolve_model(model_args.model_name_or_path, model_args.model_revision)
-    dataset, name = cli.load_data(script_args, dataset_args)
-    train_dataset, eval_dataset = cli.check_splits(dataset, name, script_args, training_args)
+    apply_thread_count()
+    go_offline()  # the demo is offline; a hub model must be in the local cache
+    model_path = resolve_model(model_args.model_name_or_path, model_args.model_revision)
+    dataset, name = load_data(script_args, dataset_args)
+    train_dataset, eval_dataset = check_splits(dataset, name, script_args, training_args)
     output = Path(training_args.output_dir)
     rows = []
     for label, trainer_class, args in (("stock", DPOTrainer, _stock_config(training_args)),
@@ -127,7 +129,7 @@ def compare(script_args, training_args, model_args, dataset_args) -> int:
     output.mkdir(parents=True, exist_ok=True)
     (output / "compare.json").write_text(json.dumps(rows, indent=1))
     drawn = plot(rows, output / "compare.png")
-    print(f"\n{cli.PROG} --compare (model {model_args.model_name_or_path}, data {name})\n{format_rows(rows)}")
+    print(f"\n{PROG} --compare (model {model_args.model_name_or_path}, data {name})\n{format_rows(rows)}")
     print(f"wrote {output / 'compare.json'}" + (f" and {output / 'compare.png'}" if drawn else
                                                   " (no PNG: `pip install matplotlib` to draw the curves)"))
     return 0

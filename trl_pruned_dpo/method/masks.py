@@ -114,25 +114,59 @@ def draw_branches(num_pairs: int, keep_prob, sampling: str, generator: torch.Gen
     return torch.cat([chosen, rejected])
 
 
+def pair_agreement(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(pairs, cols) bool: column by column, whether the chosen and the rejected row of a pair hold the same token with
+    the same `mask` value. Every chosen/rejected alignment of the package (the common prefix, the shared tokens of the
+    packed layout, auto's near-copy overlap) reads this one comparison."""
+    ids_w, ids_l = input_ids.chunk(2)
+    mask_w, mask_l = mask.bool().chunk(2)
+    return (ids_w == ids_l) & (mask_w == mask_l)
+
+
 def common_prefix(input_ids: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
     """Boolean (rows, cols): the response tokens that chosen and rejected share at their start, in both rows.
 
     Within a pair the prompt tokens are identical and the responses start at the same column, so a leading run of
     equal columns means same token *and* same context: the log-ratio of such a token is the same in both branches.
     """
-    ids_w, ids_l = input_ids[:, 1:].chunk(2)
+    run = pair_agreement(input_ids[:, 1:], response).long().cumprod(dim=1).bool()
     resp_w, resp_l = response.bool().chunk(2)
-    equal = (ids_w == ids_l) & (resp_w == resp_l)
-    run = equal.long().cumprod(dim=1).bool()
     return torch.cat([run & resp_w, run & resp_l])
 
 
-def executed_columns(scored: torch.Tensor) -> torch.Tensor:
-    """(rows,) input columns each row must execute: up to and including its last scored token (0 if none)."""
-    cols = torch.arange(1, scored.size(1) + 1, device=scored.device)
+NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
+
+
+def pair_overlap(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """(pairs,) fraction of the longer response's positions where chosen and rejected hold the same token after the
+    same token, in the same column (responses start at the same column in TRL's padded batch). Near-copies ~1; two
+    independent answers ~0, even where separators happen to line up (the preceding token then differs)."""
+    agree = pair_agreement(input_ids, completion_mask)
+    resp_w, resp_l = completion_mask[:, 1:].bool().chunk(2)
+    same = (agree[:, 1:] & agree[:, :-1] & resp_w).sum(dim=1).double()
+    longer = torch.maximum(resp_w.sum(dim=1), resp_l.sum(dim=1)).clamp(min=1).double()
+    return (same / longer).cpu()
+
+
+def per_pair_branch_probs(overlap: torch.Tensor, keep_prob: float) -> torch.Tensor:
+    """Near-copies (overlap >= NEAR_COPY) keep both branches; every other pair gets `keep_prob`."""
+    return torch.where(overlap >= NEAR_COPY, torch.ones_like(overlap), torch.full_like(overlap, keep_prob))
+
+
+def positions_needed(scored: torch.Tensor) -> torch.Tensor:
+    """(rows,) long: input positions a row must run to score its last scored column c (c + 1; 0 if none). Column c
+    is the log-prob of token c + 1, which position c predicts."""
     if not scored.numel():
         return torch.zeros(scored.size(0), dtype=torch.long, device=scored.device)
-    return (scored.long() * (cols + 1)).amax(dim=1)
+    cols = torch.arange(1, scored.size(1) + 1, device=scored.device)
+    return (scored.long() * cols).amax(dim=1)
+
+
+def executed_columns(scored: torch.Tensor) -> torch.Tensor:
+    """(rows,) input columns each row must execute when its labels come from its own input (the unshared forward):
+    the positions needed and the token the last one predicts (0 if none)."""
+    needed = positions_needed(scored)
+    return needed + (needed > 0).long()
 
 
 @dataclass

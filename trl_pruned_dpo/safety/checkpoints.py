@@ -20,6 +20,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..errors import DiskFullError, ResumeError
+
 MARKER = "pruned_dpo_complete.json"
 RUN_STATE = "pruned_dpo_run_state.json"  # per process: logging window and worst values, so a resume logs like no resume
 MARKER_VERSION = 1
@@ -34,14 +36,6 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # Not part of a checkpoint's content: the marker itself, and the sentinel transformers' JIT checkpoint writes before
 # calling `_save_checkpoint` and removes after it (it would be listed, then missing).
 _NOT_CONTENT = {MARKER, MARKER + ".tmp", "checkpoint-is-incomplete.txt"}
-
-
-class ResumeError(ValueError):
-    """No checkpoint to resume from, an incomplete one, or a pruning configuration that differs: one line."""
-
-
-class DiskFullError(OSError):
-    """The disk filled up while a checkpoint or the model was being written: one line, with the last good checkpoint."""
 
 
 # --- writing --------------------------------------------------------------------------------------------------------
@@ -273,3 +267,35 @@ def disk_full_as_error(what: str, where: str | os.PathLike, output_dir: str | os
         if not is_disk_full(error, where):
             raise
         raise DiskFullError(disk_full_message(what, where, output_dir or where)) from None
+
+
+def save_complete(trainer, save, model, trial, run_state: dict) -> None:
+    """`save(model, trial)` (TRL's checkpoint), then every process's `run_state` and the completion marker; older
+    checkpoints are rotated only after the new one is complete, and a full disk is said in one line (the partial
+    folder is removed)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+    args = trainer.args
+    run_dir = trainer._get_output_dir(trial=trial)
+    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    limit, args.save_total_limit = args.save_total_limit, None
+    try:
+        if args.should_save:
+            unmark(folder)
+        save(model, trial)
+        write_run_state(folder, args.process_index, run_state)
+        trainer.accelerator.wait_for_everyone()  # every process's files are written before the marker
+        if args.should_save:
+            mark_complete(folder, args, trainer.state.global_step)
+    except Exception as error:
+        if not is_disk_full(error, folder):
+            raise
+        if args.should_save:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise DiskFullError(disk_full_message(os.path.basename(folder), folder, run_dir) + " The incomplete "
+                            "checkpoint was removed.") from None
+    finally:
+        args.save_total_limit = limit
+    if args.should_save:
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)

@@ -1,41 +1,22 @@
-"""What the command line adds around training so that a run that fails, is stopped or is resumed says so.
+"""Stopping cleanly on a signal, and the command that resumes.
 
-- `preflight`: before any model or data is loaded, the output folder must be writable and not held by another run,
-  and a requested resume must have a complete checkpoint with this run's pruning settings (one-line errors).
-- `stop_on_signals`: SIGTERM or Ctrl-C (SIGINT) during training stops at the end of the current step and saves a
-  checkpoint there; the run then exits non-zero (128 + signal number) and its summary says where it stopped and how
-  to resume. A second signal ends the process at once.
-- `closing_lines`: the summary's last lines: worst values seen, the resume note, and either where the model was saved
-  or where the run stopped.
+`stop_on_signals`: SIGTERM or Ctrl-C (SIGINT) during training stops at the end of the current step and saves a
+checkpoint there; the run then exits non-zero (128 + signal number) and its summary says where it stopped and how to
+resume. A second signal ends the process at once. A callback: it never imports the trainer.
 """
 
 import json
 import os
 import shlex
 import signal
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..errors import PROG
 from . import checkpoints
-from .checkpoints import DiskFullError, ResumeError, disk_full_as_error
-from .guards import EmptyTrainingSet, TrainingDiverged
-from .output_dir import OutputDirError, OutputLock, check_free, check_writable  # noqa: F401 - OutputLock re-exported
+from .output_dir import is_main_process
 
-__all__ = ["RUN_ERRORS", "closing_lines", "disk_full_as_error", "exit_code",
-           "launcher_stop_code", "output_lock", "preflight", "remember_command", "stop_on_signals"]
-
-# Failures the command line reports in one line: bad input (exit 2) or a run that could not go on (exit 1).
-_INPUT_ERRORS = (ResumeError, OutputDirError, EmptyTrainingSet)
-RUN_ERRORS = (*_INPUT_ERRORS, TrainingDiverged, DiskFullError)
-
-
-def exit_code(error: BaseException) -> int:
-    return 2 if isinstance(error, _INPUT_ERRORS) else 1
-
-PROG = "trl-pruned-dpo"
 _command: list[str] | None = None  # the command line of this run, for the "resume with" hint
-
-
 _COMMAND_ENV = "TRL_PRUNED_DPO_COMMAND"  # the user's command line, for processes started by `accelerate launch`
 
 
@@ -72,24 +53,6 @@ def resume_command() -> str:
             continue
         args.append(token)
     return shlex.join([PROG, *args, "--resume_from_checkpoint", "true"])
-
-
-def _is_main_process() -> bool:
-    """The process that owns the run's lock: the only one, or global rank 0 under a launcher."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def preflight(training_args) -> None:
-    """One-line errors (OutputDirError, ResumeError) before any work: writable, not in use, resumable."""
-    check_writable(training_args.output_dir)
-    if _is_main_process():  # the other ranks would see their own run's lock
-        check_free(training_args.output_dir)
-    checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args)
-
-
-def output_lock(output_dir):
-    """`OutputLock(output_dir)` in the main process; nothing in the other ranks of the same run."""
-    return OutputLock(output_dir) if _is_main_process() else nullcontext()
 
 
 @dataclass
@@ -136,7 +99,7 @@ def stop_on_signals(trainer):
         request.signal_name = signal.Signals(number).name
         for sig, old in previous.items():  # a second signal acts as it would have without us
             signal.signal(sig, old)
-        if _is_main_process():
+        if is_main_process():
             print(f"{PROG}: {request.signal_name} received: stopping after this step and saving a checkpoint "
                   "(send it again to stop at once).", flush=True)
 
@@ -157,25 +120,3 @@ def stop_on_signals(trainer):
         folder = os.path.join(trainer.args.output_dir, f"checkpoint-{request.step}")
         request.checkpoint = folder if checkpoints.incomplete_reason(folder) is None and os.path.isdir(folder) else None
 
-
-def closing_lines(trainer) -> list:
-    """Summary lines (label, text) or plain strings: worst values, resume note, then saved model or stop."""
-    args, lines, stop = trainer.args, [], getattr(trainer, "stop_request", None)
-    guard = getattr(trainer, "divergence_guard", None)
-    worst = guard.summary() if guard is not None else None
-    if worst:
-        lines.append(("worst values", worst))
-    if getattr(trainer, "resumed_from", None):
-        start = checkpoints.checkpoint_step(trainer.resumed_from)
-        note = f"{trainer.resumed_from}: the training time covers steps {start + 1 if start is not None else '?'}-"
-        note += f"{trainer.state.global_step} only"
-        if not getattr(trainer, "restored_logging_window", False):
-            note += "; the first logged loss and prune/* figures after it cover only the resumed steps"
-        lines.append(("resumed from", note))
-    if stop is not None and stop.signal_number is not None:
-        saved = f"checkpoint {stop.checkpoint} saved" if stop.checkpoint else "no checkpoint saved"
-        lines.append(f"stopped at step {stop.step} of {stop.max_steps} by {stop.signal_name}; {saved}; resume with "
-                     f"`{resume_command()}`")
-    else:
-        lines.append(("saved", f"{args.output_dir} (model and tokenizer)"))
-    return lines

@@ -1,0 +1,147 @@
+"""The batch as the pruned forward needs it: a host copy of the token layout, and per-token reference log-probs.
+
+- `HostCopyCollator` attaches a CPU copy of the token layout (plan.HostBatch), so the plan never reads device tensors.
+- With `precompute_ref_log_probs=True` the masks need per-token reference log-probs, where TRL stores only their sums:
+  `precompute_per_token` stores both, and `PerTokenReferenceCollator` pads the stored values onto each batch's
+  response positions.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import torch
+from datasets import Dataset, IterableDataset, concatenate_datasets
+from datasets.table import InMemoryTable
+from torch.utils.data import DataLoader
+
+from .method.plan import HostBatch
+
+# Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
+REF_TOKEN_COLUMNS = ("ref_chosen_token_logps", "ref_rejected_token_logps")
+REF_TOKEN_KEY = "ref_token_logps"
+# Batch key of the host copy of the token layout, attached by `HostCopyCollator`.
+HOST_KEY = "host_batch"
+# Batch keys that are not model inputs.
+NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejected_logps", REF_TOKEN_KEY, HOST_KEY})
+
+
+@dataclass
+class HostCopyCollator:
+    """Wraps the collator: attaches a host copy of the token layout, so the plan never reads device tensors."""
+
+    collator: Any
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        batch[HOST_KEY] = HostBatch(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        return batch
+
+
+def host_batch(inputs: dict) -> HostBatch:
+    """The batch's token layout on the host: the collator's copy, else one copy now (precompute, custom loops)."""
+    host = inputs.get(HOST_KEY)
+    if host is None:
+        host = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask")))
+    return host
+
+
+def select_pairs(inputs: dict, pair_index: torch.Tensor, pairs: int) -> dict:
+    """The stacked batch restricted to `pair_index` (both rows of each pair)."""
+    rows = torch.cat([pair_index, pair_index + pairs])
+    out = {}
+    for key, value in inputs.items():
+        if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == 2 * pairs:
+            value = value[rows.to(value.device)]
+        elif torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == pairs:
+            value = value[pair_index.to(value.device)]
+        elif isinstance(value, HostBatch):  # the plan's host copy must describe the same rows
+            value = HostBatch(value.input_ids[rows], value.attention_mask[rows], value.completion_mask[rows])
+        out[key] = value
+    return out
+
+
+@dataclass
+class PerTokenReferenceCollator:
+    """Wraps the collator: pads the stored per-token reference log-probs onto the batch's response positions."""
+
+    collator: Any
+
+    def __call__(self, examples):
+        if REF_TOKEN_COLUMNS[0] not in examples[0]:
+            return self.collator(examples)
+        stripped = [{k: v for k, v in ex.items() if k not in REF_TOKEN_COLUMNS} for ex in examples]
+        batch = self.collator(stripped)
+        values = [ex[REF_TOKEN_COLUMNS[0]] for ex in examples] + [ex[REF_TOKEN_COLUMNS[1]] for ex in examples]
+        response = batch["completion_mask"][:, 1:].bool()
+        ref = torch.zeros(response.shape, dtype=torch.float32)
+        for row, row_values in enumerate(values):
+            if len(row_values) != int(response[row].sum()):
+                raise ValueError(
+                    "The stored per-token reference log-probs do not match the collated response length; the dataset "
+                    "was precomputed with a different `max_length`/collator. Recompute (a new trainer does)."
+                )
+            ref[row, response[row]] = torch.tensor(row_values, dtype=torch.float32)
+        batch[REF_TOKEN_KEY] = ref
+        return batch
+
+
+def pruned_collator(collator, args, train_dataset):
+    """TRL's collator, wrapped for the pruned forward: stored per-token reference values (with a precomputed
+    reference), and the host copy of the token layout (not for an iterable dataset, whose batches may be dispatched
+    across processes, which carries tensors only)."""
+    if args.precompute_ref_log_probs:
+        collator = PerTokenReferenceCollator(collator)
+    if not isinstance(train_dataset, (IterableDataset, torch.utils.data.IterableDataset)):
+        collator = HostCopyCollator(collator)
+    return collator
+
+
+def precompute_per_token(trainer, dataset: Dataset, batch_size: int) -> Dataset:
+    """`dataset` with the reference sums and the per-token reference log-probs as columns.
+
+    Like TRL's precompute: under `accelerator.autocast()`, each process computes its shard of the batches, gathered in
+    dataset order. The per-token values travel as one flat float32 buffer with row offsets (an Arrow list column),
+    never as a Python list per row. Kept in memory: no cache file (TRL caches only the sums). `trainer` supplies the
+    accelerator, the collator and the reference forward (`_reference_log_probs`, `_reference_sums`).
+    """
+    accelerator, args = trainer.accelerator, trainer.args
+    if trainer.ref_model is None and trainer.is_deepspeed_enabled:  # as TRL: the policy, prepared once for DeepSpeed
+        if trainer._precompute_engine is None:
+            from trl.models import prepare_deepspeed
+
+            trainer._precompute_engine = prepare_deepspeed(trainer.model, accelerator)
+        model = trainer._precompute_engine
+    else:
+        model = trainer.ref_model or trainer.model
+    loader = accelerator.prepare(DataLoader(
+        dataset, batch_size=batch_size, collate_fn=trainer.data_collator, shuffle=False,
+        num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+    ))
+    sums, values, lengths = ({"chosen": [], "rejected": []} for _ in range(3))
+    for batch in loader:
+        response = batch["completion_mask"][:, 1:].bool()
+        with accelerator.autocast():  # as TRL's compute_ref_log_probs: bf16 stores what stock stores
+            per_token = trainer._reference_log_probs(model, batch, response)
+        chosen_sum, rejected_sum = trainer._reference_sums(batch, per_token)
+        # pad every process's batch to the same width, then gather (dataset order; duplicates of the last batch
+        # dropped, like TRL's gather_for_metrics of the sums)
+        per_token = accelerator.pad_across_processes(per_token.float(), dim=1)
+        response = accelerator.pad_across_processes(response.int(), dim=1)
+        gathered = accelerator.gather_for_metrics((chosen_sum, rejected_sum, *per_token.chunk(2), *response.chunk(2)))
+        for i, branch in enumerate(("chosen", "rejected")):
+            branch_values, branch_response = gathered[2 + i].cpu(), gathered[4 + i].cpu().bool()
+            sums[branch].append(gathered[i].float().cpu())
+            values[branch].append(branch_values[branch_response])  # row-major: row by row, in order
+            lengths[branch].append(branch_response.sum(dim=1))
+    columns = {}
+    for branch in ("chosen", "rejected"):
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lengths[branch]).cumsum(0)])
+        columns[f"ref_{branch}_logps"] = pa.array(torch.cat(sums[branch]).numpy())
+        columns[f"ref_{branch}_token_logps"] = pa.ListArray.from_arrays(
+            pa.array(offsets.numpy().astype("int32")), pa.array(torch.cat(values[branch]).numpy())
+        )
+    stale = [c for c in columns if c in dataset.column_names]
+    if stale:
+        dataset = dataset.remove_columns(stale)
+    return concatenate_datasets([dataset, Dataset(InMemoryTable(pa.table(columns)))], axis=1)

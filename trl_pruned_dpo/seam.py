@@ -1,0 +1,198 @@
+"""Every TRL and transformers internal the plugin relies on, in one place.
+
+The imports fail at import time if TRL moves them. What an import cannot see is checked by behaviour: whether TRL's
+fused LM head still honours the switch that makes it score only the labelled positions (`check_compact_lm_head` runs
+a tiny forward once and counts the rows that actually reach the head's matrix product); the replay seam into TRL's
+`_compute_loss` (`Replay`) and the Trainer's logging window (`logging_window`) are pinned by tests
+(tests/test_dropin.py::test_replay_seam_assumptions, tests/test_failures.py resume tests).
+"""
+
+import contextlib
+import dataclasses
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import torch
+import trl
+import trl.trainer.utils as trl_utils
+from packaging.version import Version
+from torch.utils._python_dispatch import TorchDispatchMode
+
+TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high)
+
+if not (Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1])):
+    raise ImportError(
+        f"trl-pruned-dpo is tested with trl>={TESTED_TRL[0]},<{TESTED_TRL[1]} and found trl {trl.__version__}: "
+        f"install a tested version (`pip install 'trl>={TESTED_TRL[0]},<{TESTED_TRL[1]}'`)."
+    )
+
+try:
+    from trl import DPOConfig
+    from trl.models.utils import disable_gradient_checkpointing
+    from trl.trainer.dpo_trainer import DPOTrainer
+    from trl.trainer.utils import add_fused_lm_head, get_config_model_id, use_adapter
+
+    DPOTrainer._save_checkpoint  # noqa: B018 - completion marker and run state (safety/checkpoints.py)
+    DPOTrainer._maybe_log_save_evaluate  # noqa: B018 - each step's divergence check, before it is logged or saved
+except (ImportError, AttributeError) as error:  # pragma: no cover - only on an untested TRL
+    raise ImportError(f"trl-pruned-dpo: a TRL internal it relies on has moved ({error}); pin trl to 1.16.x.") from error
+
+__all__ = [
+    "DPOConfig",
+    "DPOTrainer",
+    "Replay",
+    "as_pruned_config",
+    "check_compact_lm_head",
+    "compact_lm_head",
+    "logging_window",
+    "no_grad_block",
+    "reference_context",
+    "restore_logging_window",
+]
+
+
+class Replay:
+    """Stands in for the model in TRL's `_compute_loss`: returns per-token outputs computed beforehand, so every TRL
+    loss, `ld_alpha`, `use_weighting` and every TRL metric run unchanged on the pruned estimates."""
+
+    def __init__(self, aux_loss=None, **per_token):
+        self.outputs = SimpleNamespace(aux_loss=aux_loss, **per_token)
+
+    def __call__(self, *args, **kwargs):
+        return self.outputs
+
+
+def as_pruned_config(model, args, config_class):
+    """The trainer's config: stock's default when `args` is None, a plain `DPOConfig` promoted with pruning off.
+
+    A promoted config is the same settings object (its `__dict__` is shared, nothing re-validated or re-derived),
+    carrying the pruning fields at their identity defaults, so swapping the class changes nothing a user passed.
+    """
+    if args is None:  # stock: DPOConfig(f"{model_name}-DPO")
+        model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+        return config_class(f"{model_name.split('/')[-1]}-DPO")
+    if isinstance(args, config_class) or not isinstance(args, DPOConfig):
+        return args  # anything else is TRL's to accept or reject
+    promoted = config_class.__new__(config_class)
+    promoted.__dict__ = args.__dict__
+    for f in dataclasses.fields(config_class):
+        if f.name not in promoted.__dict__:
+            setattr(promoted, f.name, f.default)
+    promoted.prune_seed = args.seed
+    return promoted
+
+
+def no_grad_block(model, gradient_checkpointing_kwargs) -> contextlib.ExitStack:
+    """No grad and no gradient checkpointing (nothing to recompute); nested blocks do not toggle it again."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(disable_gradient_checkpointing(model, gradient_checkpointing_kwargs))
+    return stack
+
+
+def reference_context(model, unwrapped, ref_model, gradient_checkpointing_kwargs) -> contextlib.ExitStack:
+    """A no-grad block, with the policy's adapter disabled when the reference is the PEFT policy without it (or
+    TRL's frozen "ref" adapter copy)."""
+    from accelerate.utils import is_peft_model
+
+    stack = no_grad_block(model, gradient_checkpointing_kwargs)
+    if ref_model is None and is_peft_model(model):
+        stack.enter_context(use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None))
+    return stack
+
+
+def logging_window(trainer) -> dict:
+    """What the Trainer and TRL have accumulated since the last log (transformers' `_tr_loss` and
+    `_globalstep_last_logged`, TRL's `_metrics` and `_total_train_tokens`): restored on resume, so that a resumed run
+    logs (and summarises) the same numbers as an uninterrupted one."""
+    if not hasattr(trainer, "_tr_loss"):  # saved outside `train()`: no window open
+        return {}
+    return {
+        "tr_loss": float(trainer._tr_loss),
+        "last_logged": trainer._globalstep_last_logged,
+        "metrics": {key: list(values) for key, values in trainer._metrics["train"].items()},
+        # TRL's `num_tokens` counter, which TRL itself does not restore on resume
+        "total_train_tokens": getattr(trainer, "_total_train_tokens", 0),
+    }
+
+
+def restore_logging_window(trainer, window: dict) -> bool:
+    """Reopen the window `logging_window` saved; whether it was restored."""
+    if not window or not hasattr(trainer, "_tr_loss"):
+        return False
+    trainer._tr_loss += torch.tensor(window["tr_loss"], dtype=trainer._tr_loss.dtype, device=trainer._tr_loss.device)
+    trainer._globalstep_last_logged = window["last_logged"]
+    for key, values in window["metrics"].items():
+        trainer._metrics["train"][key][:0] = values
+    trainer._total_train_tokens = window.get("total_train_tokens", 0)
+    return True
+
+
+@contextmanager
+def compact_lm_head():
+    """Make TRL's fused LM head score only the labelled positions on every device.
+
+    TRL gathers the labelled hidden states before the head only on Triton devices and scores every position
+    elsewhere (CPU included), so position pruning would save nothing there. The head's kernel itself is untouched:
+    the switch only selects `hidden_states[mask]` instead of all positions.
+    """
+    original = trl_utils._use_triton
+    trl_utils._use_triton = lambda device: True
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = original
+
+
+class _HeadRows(TorchDispatchMode):
+    """Counts the rows of every matrix product whose output is `vocab` wide: the positions the LM head scores."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == self.vocab:
+            self.rows += out.shape[0]
+        return out
+
+
+def head_rows_scored(labels_kept: int = 2, length: int = 8, vocab: int = 37) -> int:
+    """Rows that reach the fused LM head of a tiny Llama under `compact_lm_head` when `labels_kept` labels are set."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=length)
+    with torch.random.fork_rng(devices=[]):  # the init must not move the caller's global RNG
+        model = LlamaForCausalLM(config)
+    add_fused_lm_head(model)
+    input_ids = torch.arange(1, length + 1).view(1, length)
+    labels = torch.full_like(input_ids, -100)
+    labels[0, -labels_kept:] = input_ids[0, -labels_kept:]
+    counter = _HeadRows(vocab)
+    with torch.no_grad(), compact_lm_head(), counter:
+        model(input_ids=input_ids, labels=labels, use_cache=False, fused_lm_head=True)
+    return counter.rows
+
+
+_COMPACT_HEAD_OK = False
+
+
+def check_compact_lm_head() -> None:
+    """Once per process: under `compact_lm_head`, only the labelled positions reach the LM head.
+
+    If a TRL change stops honouring the switch, the estimates stay right but position pruning saves nothing on the
+    head; fail loudly instead of training with the savings silently gone.
+    """
+    global _COMPACT_HEAD_OK
+    if _COMPACT_HEAD_OK:
+        return
+    rows = head_rows_scored(labels_kept=2)
+    if rows != 2:
+        raise RuntimeError(
+            f"trl-pruned-dpo: TRL's fused LM head scored {rows} positions of a tiny forward with 2 labels under "
+            f"`compact_lm_head`; TRL {trl.__version__} no longer compacts through `_use_triton`, so pruning would "
+            "save nothing on the head. Pin trl to a tested version."
+        )
+    _COMPACT_HEAD_OK = True
