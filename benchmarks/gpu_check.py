@@ -1,18 +1,21 @@
-"""GPU check of the shared-prompt grid: one command, one table, a results file, within a time budget.
+"""GPU check of the exact savings (padding-free, shared-prompt packing) against stock TRL: one table, one results file.
 
-    bash benchmarks/gpu_check.sh            # = PYTHONPATH=. python -m benchmarks.gpu_check --budget 330
+    bash benchmarks/gpu_check.sh        # = PYTHONPATH=. python -m benchmarks.gpu_check --budget 420
 
-bf16 on one CUDA device, a Qwen2.5-0.5B-shaped model built from its config (no download; random weights, synthetic
-pairs: step times do not depend on the values), gradient checkpointing on, live reference. Three workloads (the
-CPU grid's, at GPU lengths): multi-turn (prompt ~3x response), ultrafeedback (prompt ~0.5x response, dissimilar
-responses), near-copy (responses share half their tokens). Rows: stock TRL, the pruned trainer with nothing pruned
-(`none`), `share_prompt` (dense 4D mask through SDPA), the same through FlexAttention block masks (`share[flex]`: no
-L x L mask; a clear message if it cannot run), and share_prompt with each pruning and all of them.
+bf16 on one CUDA device; Qwen2.5-0.5B- and 1.5B-shaped models built from their configs (no download; random weights,
+synthetic pairs: step times do not depend on the values); gradient checkpointing on and off; a live reference (the
+policy's copy plus noise, so the loss is not log 2 whatever the log-probs). Lengths: UltraFeedback-shaped (median row
+~409 tokens, prompt/response ~0.42, tail truncated at 1024) and HH-shaped (median ~186, prompt/response ~2.15),
+benchmarks/workload.py's LENGTH_MODELS; 8 pairs per step.
 
-Each row: 2 warm-up and 5 timed optimizer steps (CUDA-synchronised wall clock, median), peak allocated memory over the
-timed steps, tokens executed by the policy. Rows run one after the other, each in try/except (an error prints and
-the grid goes on); when the budget is spent the rest is skipped and said so. Results: the printed table and
-${OUT:-/tmp}/gpu_check.{json,txt}.
+Rows: stock `DPOTrainer` (sdpa; and flash_attention_2 when flash_attn is installed), then the plugin with
+`padding_free`, `padding_free` + `share_prompt`, + `prune_common_prefix` (exact for sigmoid), + `prefix_prune_prob=0.5`
+(sampled: not comparable to stock, its agreement says so). Each row: warm-up and timed optimizer steps
+(CUDA-synchronised wall clock, median), tokens/s (real tokens of the batch per second), peak allocated memory, and its
+first step against stock's on the same batch and weights: |loss difference| and the cosine and norm ratio of the
+full gradient. Rows run in order, each in try/except; past the budget the rest is skipped and said so. Results: the
+printed table and ${OUT:-/tmp}/gpu_check.{json,txt}. `--dry-run` runs the same grid on CPU with a tiny model in fp32
+(numbers mean nothing): it checks the script.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -29,39 +33,73 @@ import traceback
 
 import torch
 
-from benchmarks.workload import StepRunner, Workload, build_model, build_trainer, quiet
+from benchmarks.workload import Workload, build_model, build_trainer, quiet
 
-QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B's config.json
-    hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
-    tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
-)
+QWEN25 = {  # Qwen/Qwen2.5-{0.5B,1.5B}'s config.json (vocabulary 151936, tied embeddings)
+    "0.5B": dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
+                 num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "1.5B": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960, num_attention_heads=12,
+                 num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6),
+}
 VOCAB = 151936
-WORKLOADS = [
-    Workload(vocab_size=VOCAB, prompt_len=768, response_len=256, batch_size=8, num_batches=2,
-             model_shape=QWEN25_05B, name="multi-turn"),
-    Workload(vocab_size=VOCAB, prompt_len=256, response_len=512, batch_size=8, num_batches=2,
-             model_shape=QWEN25_05B, name="ultrafeedback"),
-    Workload(vocab_size=VOCAB, prompt_len=256, response_len=512, batch_size=8, num_batches=2, shared_response=0.5,
-             model_shape=QWEN25_05B, name="near-copy"),
-]
-ROWS = [  # (name, side, attention implementation, PrunedDPOConfig fields)
-    ("stock", "stock", "sdpa", {}),
-    ("none", "pruned", "sdpa", {}),
-    ("share", "pruned", "sdpa", dict(share_prompt=True)),
-    ("share+branch", "pruned", "sdpa", dict(share_prompt=True, branch_keep_prob=0.5)),
-    ("share+position", "pruned", "sdpa", dict(share_prompt=True, position_keep_prob=0.5)),
-    ("share+prefix", "pruned", "sdpa", dict(share_prompt=True, prefix_prune_prob=0.5)),
-    ("share+prefix+position", "pruned", "sdpa", dict(share_prompt=True, prefix_prune_prob=0.5, position_keep_prob=0.5)),
-    ("share+all", "pruned", "sdpa",
-     dict(share_prompt=True, branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5)),
-    # last in each workload: its first call compiles FlexAttention, which must not eat the budget of the main rows
-    ("share[flex]", "pruned", "flex_attention", dict(share_prompt=True)),
-]
-
-
-# --dry-run: the same grid on CPU with a tiny model in fp32, to check the script itself (numbers mean nothing)
 TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
             tie_word_embeddings=True)
+SETTINGS = [  # (row, side, PrunedDPOConfig fields, exact: its first step must agree with stock's)
+    ("stock", "stock", {}, True),
+    ("padding_free", "pruned", dict(padding_free=True), True),
+    ("pf+share", "pruned", dict(padding_free=True, share_prompt=True), True),
+    ("pf+share+common", "pruned", dict(padding_free=True, share_prompt=True, prune_common_prefix=True), True),
+    ("pf+share+common+prefix0.5", "pruned",
+     dict(padding_free=True, share_prompt=True, prune_common_prefix=True, prefix_prune_prob=0.5), False),
+]
+
+
+def grid(dry_run: bool):
+    """(model, checkpointing, workload) cells, most informative first (the budget may cut the tail)."""
+    cells = []
+    for shape in ("0.5B", "1.5B"):
+        for checkpointing in (True, False):
+            for lengths in ("ultrafeedback", "hh"):
+                w = Workload(vocab_size=512 if dry_run else VOCAB, batch_size=2 if dry_run else 8, num_batches=2,
+                             model_shape=TINY if dry_run else QWEN25[shape], name=lengths, lengths=lengths,
+                             length_scale=0.05 if dry_run else 1.0, reference_noise=0.01)
+                cells.append((shape, checkpointing, w))
+    return cells
+
+
+class Runner:
+    """One trainer driven step by step as `Trainer._inner_training_loop` does on one process (either transformers
+    spelling of checkpointing); the first step's loss and gradient are kept for the agreement with stock."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        args = trainer.args
+        if getattr(args, "gradient_checkpointing", False):
+            kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        trainer.create_optimizer()
+        self.model, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
+        trainer.model_wrapped = self.model
+        trainer.create_scheduler(num_training_steps=10**6)
+        trainer.current_gradient_accumulation_steps = 1
+        self.batches = list(trainer.get_train_dataloader())
+        self.steps = 0
+
+    def step(self, keep_first=False):
+        t = self.trainer
+        batch = self.batches[self.steps % len(self.batches)]
+        loss = t.training_step(self.model, batch)
+        first = None
+        if keep_first:
+            grads = [p.grad.float().flatten() for p in self.model.parameters() if p.grad is not None]
+            first = (float(loss), torch.cat(grads))
+        t.accelerator.clip_grad_norm_(self.model.parameters(), 1.0)
+        t.optimizer.step()
+        t.lr_scheduler.step()
+        self.model.zero_grad()
+        t.state.global_step += 1
+        self.steps += 1
+        return batch, first
 
 
 def _sync(device):
@@ -69,17 +107,26 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_row(w: Workload, side: str, attn: str, pruning: dict, base, warmup: int, steps: int, device: str) -> dict:
+def time_row(w, side, attn, pruning, base, checkpointing, warmup, steps, device, stock_first):
     model = copy.deepcopy(base)
-    if attn != base.config._attn_implementation:
+    if attn != model.config._attn_implementation:
         model.set_attn_implementation(attn)
-    trainer = build_trainer(side, w, model, precompute=False, checkpointing=True, pruning=pruning, device=device,
-                            bf16=device == "cuda")
-    if side == "pruned" and pruning.get("share_prompt") and trainer._share_backend != attn:
-        raise RuntimeError(f"share_prompt fell back to the unshared forward (backend {trainer._share_backend!r})")
-    runner = StepRunner(trainer)
+    trainer = build_trainer(side, w, model, precompute=False, checkpointing=checkpointing, pruning=pruning,
+                            device=device, bf16=device == "cuda")
+    if side == "pruned" and not trainer._packed:
+        raise RuntimeError("the packed path fell back to padded rows (see the warning above)")
+    runner = Runner(trainer)
     try:
-        for _ in range(warmup):
+        _, first = runner.step(keep_first=True)  # step 0: same batch and weights as stock's step 0
+        agreement = {}
+        if stock_first is not None:  # compared now, on the device, and freed before the peak is measured
+            g, g0 = first[1].double(), stock_first[1].to(first[1].device).double()
+            agreement = dict(loss_diff=abs(first[0] - stock_first[0]),
+                             grad_cos=float(torch.nn.functional.cosine_similarity(g, g0, dim=0)),
+                             grad_norm_ratio=float(g.norm() / g0.norm()))
+            del g, g0
+        first = (first[0], first[1].cpu())  # stock's is kept, on the host, for the rows after it
+        for _ in range(warmup - 1):
             runner.step()
         _sync(device)
         if device == "cuda":
@@ -87,17 +134,16 @@ def time_row(w: Workload, side: str, attn: str, pruning: dict, base, warmup: int
         times, tokens = [], []
         for _ in range(steps):
             start = time.perf_counter()
-            runner.step()
+            batch, _ = runner.step()
             _sync(device)
             times.append(time.perf_counter() - start)
-            stats = getattr(trainer, "last_prune_stats", None)
-            batch = runner.last_batch
-            tokens.append(stats["policy_tokens_executed"] if stats else batch["input_ids"].numel())
+            tokens.append(float(batch["attention_mask"].sum()))
         peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
-        return dict(step_s=statistics.median(times), peak_gib=peak,
-                    tokens=statistics.mean(tokens),
-                    full_tokens=float(batch["input_ids"].numel()),
-                    pairs_shared=(stats or {}).get("shared_pairs"))
+        stats = getattr(trainer, "last_prune_stats", None) or {}
+        row = dict(step_s=statistics.median(times), tokens_per_s=statistics.mean(tokens) / statistics.median(times),
+                   peak_gib=peak, executed=stats.get("policy_tokens_executed"),
+                   padded=float(runner.batches[0]["input_ids"].numel()), **agreement)
+        return row, first
     finally:
         del runner, trainer, model
         gc.collect()
@@ -106,44 +152,48 @@ def time_row(w: Workload, side: str, attn: str, pruning: dict, base, warmup: int
 
 
 def format_table(results: list[dict]) -> str:
-    head = f"{'workload':<14} {'row':<22} {'step s':>8} {'vs stock':>9} {'vs none':>8} {'tok exec':>9} {'peak GiB':>9}"
+    head = (f"{'model':<5} {'ckpt':<4} {'lengths':<13} {'row':<26} {'step s':>7} {'vs stock':>8} {'tok/s':>8} "
+            f"{'peak GiB':>8} {'|dloss|':>8} {'grad cos':>8} {'|g| ratio':>9}")
     lines = [head, "-" * len(head)]
     for r in results:
+        cell = f"{r['model']:<5} {('on' if r['ckpt'] else 'off'):<4} {r['lengths']:<13} {r['row']:<26}"
         if "error" in r:
-            lines.append(f"{r['workload']:<14} {r['row']:<22} {'ERROR: ' + r['error'][:80]}")
+            lines.append(f"{cell} ERROR: {r['error'][:90]}")
             continue
-        ref = {x["row"]: x for x in results if x["workload"] == r["workload"] and "error" not in x}
-        vs = {k: (f"{ref[k]['step_s'] / r['step_s']:.2f}x" if k in ref else "-") for k in ("stock", "none")}
-        lines.append(f"{r['workload']:<14} {r['row']:<22} {r['step_s']:8.3f} {vs['stock']:>9} {vs['none']:>8} "
-                     f"{r['tokens'] / r['full_tokens']:9.2f} {r['peak_gib']:9.2f}")
+        stock = next((x for x in results if "error" not in x and x["row"] == "stock" and
+                      (x["model"], x["ckpt"], x["lengths"]) == (r["model"], r["ckpt"], r["lengths"])), None)
+        vs = f"{stock['step_s'] / r['step_s']:.2f}x" if stock else "-"
+        agree = ("sampled", "", "") if not r.get("exact", True) else (
+            (f"{r['loss_diff']:.1e}", f"{r['grad_cos']:.5f}", f"{r['grad_norm_ratio']:.4f}") if "loss_diff" in r
+            else ("-", "-", "-"))
+        lines.append(f"{cell} {r['step_s']:7.3f} {vs:>8} {r['tokens_per_s']:8.0f} {r['peak_gib']:8.2f} "
+                     f"{agree[0]:>8} {agree[1]:>8} {agree[2]:>9}")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=330.0, help="seconds for the whole grid (then skip the rest)")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole grid (then skip the rest)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU: checks the script, not the GPU")
     args = parser.parse_args(argv)
     quiet()
     started = time.time()
     device = "cpu" if args.dry_run else "cuda"
-    workloads = WORKLOADS
-    if args.dry_run:
-        workloads = [Workload(vocab_size=512, prompt_len=24, response_len=16, batch_size=2, num_batches=1,
-                              shared_response=w.shared_response, model_shape=TINY, name=w.name) for w in WORKLOADS]
-    elif not torch.cuda.is_available():
+    if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to check the script on CPU).", file=sys.stderr)
         return 2
     import transformers
     import trl
 
-    meta = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "dry run on CPU",
-                torch=torch.__version__, transformers=transformers.__version__,
-                trl=trl.__version__, dtype="bf16", checkpointing=True, reference="live",
-                warmup=args.warmup, steps=args.steps, started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    attns = ["sdpa"] + (["flash_attention_2"] if device == "cuda" and importlib.util.find_spec("flash_attn") else [])
+    meta = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "dry run on CPU", torch=torch.__version__,
+                transformers=transformers.__version__, trl=trl.__version__, reference="live",
+                dtype="bf16" if device == "cuda" else "fp32", pairs_per_step=2 if args.dry_run else 8,
+                warmup=args.warmup, steps=args.steps, stock_attention=attns,
+                started=time.strftime("%Y-%m-%d %H:%M:%S"))
     print("gpu_check:", json.dumps(meta), flush=True)
     results = []
     os.makedirs(args.out, exist_ok=True)
@@ -155,31 +205,34 @@ def main(argv=None):
         with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
             f.write(format_table(results) + "\n")
 
-    for w in workloads:
-        base = None
-        for name, side, attn, pruning in ROWS:
-            elapsed = time.time() - started
-            if elapsed > args.budget:
-                results.append(dict(workload=w.name, row=name, error=f"skipped: budget of {args.budget:.0f}s spent"))
+    for shape, checkpointing, w in grid(args.dry_run):
+        base, stock_first = None, None
+        rows = [(f"stock[{a}]" if a != "sdpa" else "stock", "stock", a, {}, True) for a in attns]
+        rows += [(name, side, "sdpa", pruning, exact) for name, side, pruning, exact in SETTINGS[1:]]
+        for name, side, attn, pruning, exact in rows:
+            where = dict(model=shape, ckpt=checkpointing, lengths=w.name, row=name, exact=exact)
+            if time.time() - started > args.budget:
+                results.append(dict(where, error=f"skipped: budget of {args.budget:.0f}s spent"))
                 continue
             try:
                 if base is None:
                     base = build_model(w, torch.bfloat16 if device == "cuda" else torch.float32, attn="sdpa",
                                        device=device)
-                r = time_row(w, side, attn, pruning, base, args.warmup, args.steps, device)
-                results.append(dict(workload=w.name, row=name, attn=attn, **r))
-                print(f"[{time.time() - started:5.0f}s] {w.name} {name}: {r['step_s']:.3f}s/step, "
-                      f"tokens {r['tokens'] / r['full_tokens']:.2f}, peak {r['peak_gib']:.1f} GiB", flush=True)
+                r, first = time_row(w, side, attn, pruning, base, checkpointing, args.warmup, args.steps, device,
+                                    stock_first if name != "stock" and exact else None)
+                if name == "stock":
+                    stock_first = first
+                results.append(dict(where, attn=attn, **r))
+                print(f"[{time.time() - started:5.0f}s] {shape} ckpt={checkpointing} {w.name} {name}: "
+                      f"{r['step_s']:.3f}s/step, peak {r['peak_gib']:.1f} GiB", flush=True)
             except Exception as error:  # noqa: BLE001 - one row failing must not stop the grid
                 message = f"{type(error).__name__}: {error}".splitlines()[0]
-                if attn == "flex_attention":
-                    message = "FlexAttention unavailable, dense-mask SDPA rows stand: " + message
-                results.append(dict(workload=w.name, row=name, attn=attn, error=message))
-                print(f"[{time.time() - started:5.0f}s] {w.name} {name}: ERROR {message}", flush=True)
+                results.append(dict(where, attn=attn, error=message))
+                print(f"[{time.time() - started:5.0f}s] {shape} {w.name} {name}: ERROR {message}", flush=True)
                 traceback.print_exc(limit=3)
                 gc.collect()
             save()
-        del base
+        del base, stock_first
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -50,7 +50,7 @@ def measure(spec: dict) -> dict:
     dtype = torch.bfloat16 if spec.get("bf16") else torch.float32
     rss_start = _status_kb("VmRSS") / 1024 if device == "cpu" else 0.0
     trainer = build_trainer(
-        spec["side"], w, build_model(w),
+        spec["side"], w, build_model(w, dtype),
         precompute=spec["precompute"], checkpointing=spec["checkpointing"], pruning=spec.get("pruning"),
         device=device, bf16=spec.get("bf16", False),
     )

@@ -1,6 +1,7 @@
 """Markdown tables and the target check of a step_time results file (what docs/benchmarks.md shows).
 
     python -m benchmarks.report benchmarks/results/full_cpu/step_time.json
+    python -m benchmarks.report benchmarks/results/workloads_quick_cpu/step_time.json   # the --workload table
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ def _f(value, fmt):
     return "–" if value is None else fmt.format(value)
 
 
+def _header(head: str) -> list[str]:
+    """A markdown table's first two lines."""
+    return [head, "|" + "---|" * (head.count("|") - 1)]
+
+
 def main_table(rows: list[dict]) -> str:
     head = (
         "| reference | ckpt | setting | stock s | pruned s | speedup | FLOP limit | eff. | vs none | limit | eff. "
         "| tokens exec. | tokens needed | head positions | branches bp | work. mem stock | pruned | ratio |"
     )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = _header(head)
     for r in rows:
         lines.append(
             f"| {r['reference']} | {'on' if r['checkpointing'] else 'off'} | {r['setting']} "
@@ -36,7 +42,7 @@ def scaling_table(rows: list[dict]) -> str:
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     cells = sorted({(r["vocab"], r["response_len"]) for r in rows})
     head = "| vocab | response | head share | stock s | " + " | ".join(settings) + " |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1),
+    lines = _header(head) + [
              "| | | | | " + " | ".join("speedup / limit (vs none)" for _ in settings) + " |"]
     for vocab, resp in cells:
         group = {r["setting"]: r for r in rows if r["vocab"] == vocab and r["response_len"] == resp}
@@ -73,7 +79,7 @@ def cost_lines(rows: list[dict]) -> str:
     import statistics
 
     head = "| group | settings fitted | rate (GFLOP/s) | fixed s/step | R² | stock s | line at stock's GFLOP | stock / line |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = _header(head)
     groups = {}
     for r in rows:
         key = (r["kind"], r["reference"], r["checkpointing"], r["vocab"], r["response_len"], r["batch_pairs"])
@@ -146,8 +152,87 @@ def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
     return out
 
 
+def workload_table(rows: list[dict]) -> str:
+    """The `--workload` table: one row per workload and setting (stock first), as docs/benchmarks.md shows it."""
+    head = (
+        "| workload | setting | ran as | step time vs stock (median) | s/step | tokens/s | padding (of executed) "
+        "| working memory vs stock | loss diff at step 1 (max) | grad-norm rel. diff at step 1 | notes |"
+    )
+    lines = _header(head)
+    for r in rows:
+        if r["setting"] == "stock":
+            mem = _f(r.get("stock_working_mb"), "{:.0f} MiB")
+            agree = "–"
+            norm = "–"
+        else:
+            mem = (f"{r['memory_ratio']:.2f} ({r['pruned_working_mb']:.0f} / {r['stock_working_mb']:.0f} MiB)"
+                   if r.get("memory_ratio") is not None else "–")
+            if not r.get("batches_match", False):
+                agree = norm = "n/a (batches differ)"
+            elif r["exact"]:
+                agree = f"{r['loss_diff_first']:.1e} ({r['loss_diff_max']:.1e})"
+                norm = _f(r.get("grad_norm_rel_diff_first"), "{:.1e}")
+            else:
+                agree = norm = "estimate (not exact)"
+        lines.append(
+            f"| {r['workload']} | {r['setting']} | {'/'.join(r.get('layouts') or [])} "
+            f"| **{r['speedup_paired_median']:.2f}x** | {r['pruned_step_s']:.3f} "
+            f"| {r['tokens_per_s']:.0f} | {_f(r.get('padding_share'), '{:.1%}')} | {mem} | {agree} | {norm} "
+            f"| {r.get('notes') or ''} |"
+        )
+    return "\n".join(lines)
+
+
+WORKLOAD_TARGETS = {"ultrafeedback": 2.5, "hh": 4.5}  # issue 20, CPU: the exact preset's step time vs stock
+EXACT_LOSS, EXACT_GRAD = 1e-5, 1e-4  # fp32 tolerances of the exactness matrix (issue 20, item 6)
+
+
+def workload_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
+    """Issue 20's CPU targets on the `--workload` rows (the exact preset is the setting `exact`)."""
+    out = []
+    exact = {r["workload"]: r for r in rows if r["setting"] == "exact"}
+    for name, target in WORKLOAD_TARGETS.items():
+        r = exact.get(name)
+        if r:
+            out.append((f"exact preset >= {target}x stock on {name}", r["speedup_paired_median"] >= target,
+                        f"{r['speedup_paired_median']:.2f}x"))
+    for name, r in exact.items():
+        pad = r.get("padding_share")
+        out.append((f"{name}: at most 1% of executed tokens are padding (exact preset)",
+                    pad is not None and pad <= 0.01, _f(pad, "{:.1%}")))
+        mem = r.get("memory_ratio")
+        if name in WORKLOAD_TARGETS:
+            out.append((f"{name}: working memory at most half of stock's (exact preset)",
+                        mem is not None and mem <= 0.5, _f(mem, "{:.2f}")))
+    timed = [r for r in rows if r["setting"] != "stock"]
+    if timed:
+        slowest = min(timed, key=lambda r: r["speedup_paired_median"])
+        out.append(("never slower than stock (every workload and setting)", slowest["speedup_paired_median"] >= 1.0,
+                    f"slowest {slowest['speedup_paired_median']:.2f}x ({slowest['workload']}, {slowest['setting']})"))
+    checked = [r for r in timed if r["exact"] and r.get("batches_match")]
+    if checked:
+        worst_loss = max(r["loss_diff_first"] for r in checked)
+        worst_grad = max(r.get("grad_norm_rel_diff_first") or 0.0 for r in checked)
+        out.append((f"exact settings agree with stock (loss <= {EXACT_LOSS:g}, grad norm <= {EXACT_GRAD:g} relative)",
+                    worst_loss <= EXACT_LOSS and worst_grad <= EXACT_GRAD,
+                    f"worst loss diff {worst_loss:.1e}, grad norm {worst_grad:.1e} (step 1, identical weights)"))
+    fell_back = [f"{r['workload']}/{r['setting']}: {r['notes']}" for r in timed if r.get("notes")]
+    out.append(("every setting ran as configured (no fallback)", not fell_back, "; ".join(fell_back) or "yes"))
+    return out
+
+
 def render(data: dict) -> str:
     rows = data["results"]
+    workloads = [r for r in rows if r["kind"] == "workload"]
+    if workloads:
+        meta = data.get("meta", {})
+        clock = meta.get("clock", "?")
+        threads = meta.get("machine", {}).get("torch_threads", "?")
+        return "\n".join([
+            f"### Ragged workloads ({clock} clock, {threads} torch thread(s), {meta.get('mode', '?')} mode)", "",
+            workload_table(workloads), "", "### Targets", "",
+            *[f"- [{'x' if ok else ' '}] {name}: {detail}" for name, ok, detail in workload_targets(workloads)],
+        ])
     parts = []
     main = [r for r in rows if r["kind"] == "main"]
     scaling = [r for r in rows if r["kind"] == "scaling"]

@@ -4,6 +4,7 @@
     python -m benchmarks.step_time --full     # + checkpointing off, 10 rounds, response-length x vocabulary scaling
     python -m benchmarks.step_time --smoke    # tiniest mode (CI): checks the harness, numbers mean nothing
     python -m benchmarks.step_time --share    # share_prompt on three workloads (multi-turn, ultrafeedback, near-copy)
+    python -m benchmarks.step_time --workload all [--quick|--full|--smoke]   # exact savings on ragged lengths
 
 On CPU the default is one torch thread and the process CPU-time clock (honest on a machine shared with other jobs;
 a warning says when the load average exceeds the cores); on GPU, the wall clock with synchronisation.
@@ -17,6 +18,11 @@ per pruning setting. After warm-up the trainers take steps in rounds -- stock, t
 reversed every round -- so that slow drifts of a shared machine hit every side alike; each setting's speedup is
 median(stock step) / median(pruned step). A step is what `Trainer.train` does per optimizer step on one process
 (workload.StepRunner). Peak memory is measured separately, each trainer in a fresh process (memory.py).
+
+`--workload ultrafeedback|hh|multiturn|short|all`: ragged lengths (workload.LENGTH_MODELS), 8 pairs per step, stock
+against `padding_free`, + `share_prompt`, + `prune_common_prefix` (the exact preset), + prefix pruning; per setting the
+median per-round step-time ratio, tokens/s, the padding share of the policy forward, working memory, and the loss and
+gradient-norm agreement with stock (summarize_workload; docs/benchmarks.md, "Exact savings on ragged workloads").
 
 Beside every measured speedup: the FLOP limit (flops.py) from the work each side really did (tokens executed, head
 positions scored, rows backpropagated, reference forwards, checkpointing recompute), and efficiency = measured/limit.
@@ -33,12 +39,12 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 
 from benchmarks.flops import Shape, Work, mean_flops, mean_work, pruned_work, stock_work
-from benchmarks.workload import Workload, StepRunner, build_model, build_trainer, quiet
+from benchmarks.workload import Workload, StepRunner, build_model, build_trainer, layout_tokens, quiet
 
 # Pruning settings (PrunedDPOConfig fields). "none" separates what the compacted head alone buys (stock TRL on CPU scores
 # every position, prompt and padding included; the pruned trainer only the kept response positions). "max": the most aggressive setting we would still train with -- one branch
@@ -58,7 +64,19 @@ SETTINGS = {
     "share+prefix+position": dict(share_prompt=True, prefix_prune_prob=0.5, position_keep_prob=0.5),
     "share+all": dict(share_prompt=True, branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5),
 }
+# The exact savings (issue 20) on ragged workloads (`--workload`): TRL's own `padding_free` field (stock TRL 1.16 ignores
+# it and pads), then the plugin's prompt sharing and common-prefix skipping on top -- "exact" is the preset that keeps
+# the loss and gradients of stock -- and one unbiased pruning beyond it.
+EXACT_PRESET = dict(padding_free=True, share_prompt=True, prune_common_prefix=True)
+SETTINGS.update({
+    "padding_free": dict(padding_free=True),
+    "padding_free+share": dict(padding_free=True, share_prompt=True),
+    "exact": EXACT_PRESET,
+    "exact+prefix0.5": dict(EXACT_PRESET, prefix_prune_prob=0.5),
+})
 MAIN_SETTINGS = ["none", "branch", "position", "prefix", "combined", "max"]
+WORKLOAD_SETTINGS = ["padding_free", "padding_free+share", "exact", "exact+prefix0.5"]
+ESTIMATORS = ("prefix_prune_prob", "position_keep_prob", "branch_keep_prob")  # settings with these are not exact
 SHARE_SETTINGS = ["none"] + [name for name in SETTINGS if name.startswith("share")]
 
 # The three workloads of the shared-prompt grid (issue 9): the same model, ~260 tokens per pair in each.
@@ -73,6 +91,37 @@ SMOKE_SHAPE = dict(
     head_dim=32, tie_word_embeddings=True,
 )
 MAIN = Workload(vocab_size=8192, prompt_len=64, response_len=128, batch_size=4)
+
+
+# `--workload`: ragged lengths from workload.LENGTH_MODELS (full scale: UltraFeedback-shaped median row 409 tokens,
+# HH-shaped 186, multi-turn 512; `short` is uniform 32 + 32), 8 pairs per step, checkpointing on, live reference
+# (perturbed from the policy, so the loss is not log 2 and its agreement with stock means something).
+WORKLOAD_NAMES = ("ultrafeedback", "hh", "multiturn", "short")
+WORKLOAD_MODES = {  # length scale (not for `short`), rounds, memory settings; quick: <= 6 min CPU for all four
+    "smoke": dict(scale=0.125, batch=2, batches=2, warmup=1, rounds=1, memory_steps=1, memory_settings=["exact"],
+                  vocab=512),
+    "quick": dict(scale=0.25, batch=8, batches=4, warmup=1, rounds=3, memory_steps=1, memory_settings=["exact"]),
+    "full": dict(scale=0.5, batch=8, batches=8, warmup=1, rounds=7, memory_steps=2),
+}
+
+
+def workload_plan(mode: str, names: list[str], scale: float | None = None, near_copy: float = 0.0) -> dict:
+    """The `--workload` grid: one group per workload, its stock trainer and every setting side by side."""
+    m = WORKLOAD_MODES.get(mode)
+    if m is None:
+        raise SystemExit(f"--workload runs in --smoke, --quick or --full mode, not --{mode}")
+    groups = []
+    for name in names:
+        w = Workload(
+            vocab_size=m.get("vocab", 8192), batch_size=m["batch"], num_batches=m["batches"], name=name,
+            lengths=name, length_scale=1.0 if name == "short" else (scale or m["scale"]), shared_response=near_copy,
+            reference_noise=0.01, model_shape=dict(SMOKE_SHAPE if mode == "smoke" else MAIN.model_shape),
+        )
+        groups.append(dict(workload=w, precompute=False, checkpointing=True, kind="workload"))
+    out = dict(groups=groups, warmup=m["warmup"], rounds=m["rounds"], memory="all", memory_steps=m["memory_steps"])
+    if "memory_settings" in m:  # else every timed setting
+        out["memory_settings"] = m["memory_settings"]
+    return out
 
 
 def plan(mode: str) -> dict:
@@ -144,15 +193,17 @@ def time_group(group: dict, settings: list[str], warmup: int, rounds: int, devic
     cpu_times = {n: [] for n in names}
     works = {n: [] for n in names}
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    steps = {n: [] for n in names}  # every round, warm-up included: loss, grad norm, batch, layout (agreement, padding)
     for r in range(warmup + rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
             side, runner = runners[name]
             sync()
             start, start_cpu = time.perf_counter(), time.process_time()
-            runner.step()
+            loss = runner.step()
             sync()
             elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            steps[name].append(_step_record(side, runner, loss, measured=r >= warmup))
             if r >= warmup:
                 times[name].append(elapsed)
                 cpu_times[name].append(elapsed_cpu)
@@ -161,7 +212,42 @@ def time_group(group: dict, settings: list[str], warmup: int, rounds: int, devic
             log(f"    round {r - warmup + 1}/{rounds}: " + " ".join(
                 f"{n}={times[n][-1]:.2f}s/{cpu_times[n][-1]:.2f}cpu" for n in names))
     shape = Shape.from_config(base.config)
-    return dict(times=times, cpu_times=cpu_times, works=works, shape=shape)
+    return dict(times=times, cpu_times=cpu_times, works=works, shape=shape, steps=steps)
+
+
+def _step_record(side: str, runner: StepRunner, loss, measured: bool) -> dict:
+    """What a step did, read after its clock stopped: its loss and gradient norm, a fingerprint of its batch, and the
+    policy forward's executed and real tokens (padding = executed - real; workload.layout_tokens).
+
+    The layout comes from `last_prune_stats` (public): none reported means TRL's own padded forward ran (stock, or a
+    setting the trainer fell back on); `shared_pairs` means the shared-prompt packing; otherwise one row per response,
+    padded (each row runs its last token too) or, when fewer tokens ran than padded rows hold, packed (pre-shifted).
+    Prefix pruning changes what a row must run: its scored mask is read from the trainer's `_last_masks` (private,
+    diagnostics only; without it the count assumes every response position scored).
+    """
+    batch = runner.last_batch
+    stats = (getattr(runner.trainer, "last_prune_stats", None) or {}) if side == "pruned" else {}
+    masks = getattr(runner.trainer, "_last_masks", None) if stats else None
+    counts = layout_tokens(batch, masks.scored if masks is not None else None)
+    if not stats:
+        layout, executed = "trl-padded", batch["input_ids"].numel()
+    else:
+        shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
+        layout = "mixed" if shared and split else "shared" if shared else "rows"
+        executed = stats["policy_tokens_executed"]
+    if layout == "rows" and executed < counts["rows"]:
+        layout = "rows-packed"
+    norm = runner.last_grad_norm
+    return dict(
+        measured=measured,
+        loss=float(loss),
+        grad_norm=None if norm is None else float(norm),
+        batch=hash(tuple(batch["input_ids"].flatten().tolist())),
+        layout=layout,
+        executed=int(executed),
+        real=None if layout == "mixed" else counts["padded" if layout == "trl-padded" else layout.replace("-", "_")],
+        data_tokens=counts["padded"],  # the batch's own tokens (stock's real ones): the tokens/s numerator
+    )
 
 
 def summarize(group: dict, timed: dict, memory: dict, clock: str = "wall") -> list[dict]:
@@ -245,6 +331,83 @@ def summarize(group: dict, timed: dict, memory: dict, clock: str = "wall") -> li
     return rows
 
 
+PAD_HONOURED = 0.01  # padding_free counts as honoured when at most this share of the executed tokens is padding
+
+
+def summarize_workload(group: dict, timed: dict, memory: dict, clock: str) -> list[dict]:
+    """The `--workload` rows: `summarize`'s, a `stock` row first, and per setting the step-time ratio as the median of
+    the per-round ratios (each round's sides ran the same batch), tokens/s, the padding share of the policy forward,
+    the layout that really ran, and the loss and gradient-norm agreement with stock."""
+    steps, times = timed["steps"], timed["cpu_times" if clock == "cpu" else "times"]
+    w: Workload = group["workload"]
+
+    def measured(name):
+        return [r for r in steps[name] if r["measured"]]
+
+    def executed_over_real(name):  # < 1: the layout runs fewer tokens than counted as real (then padding is 0)
+        recs = measured(name)
+        if any(r["real"] is None for r in recs):
+            return None
+        return sum(r["executed"] for r in recs) / sum(r["real"] for r in recs)
+
+    def padding(name):
+        ratio = executed_over_real(name)
+        return None if ratio is None else max(1.0 - 1.0 / ratio, 0.0)
+
+    def per_second(name):
+        return sum(r["data_tokens"] for r in measured(name)) / sum(times[name])
+
+    stock_mem = memory.get("stock") or {}
+    base = dict(kind="workload", workload=w.name or w.label(), group=w.label(), lengths=w.lengths,
+                length_scale=w.length_scale, near_copy=w.shared_response, batch_pairs=w.batch_size,
+                reference="precomputed" if group["precompute"] else "live", checkpointing=group["checkpointing"],
+                vocab=w.vocab_size, clock=clock, prompt_len=None, response_len=None)
+    stock = dict(base, setting="stock", steps=len(times["stock"]), stock_step_s=statistics.median(times["stock"]),
+                 pruned_step_s=statistics.median(times["stock"]), speedup=1.0, speedup_paired_median=1.0,
+                 layouts=["trl-padded"], padding_share=padding("stock"), executed_over_real=executed_over_real("stock"),
+                 tokens_per_s=per_second("stock"),
+                 stock_tokens_per_s=per_second("stock"), exact=True, notes="")
+    if stock_mem.get("ok"):
+        stock.update(stock_working_mb=stock_mem["working_mb"], pruned_working_mb=stock_mem["working_mb"],
+                     memory_ratio=1.0)
+    rows = [stock]
+    for row in summarize(group, timed, memory, clock):
+        name = row["setting"]
+        fields = SETTINGS[name]
+        layouts = sorted({r["layout"] for r in steps[name]})
+        pad = padding(name)
+        notes = []
+        if fields.get("padding_free"):
+            if "trl-padded" in layouts:
+                notes.append("padding_free ignored: TRL's padded forward ran")
+            elif pad is None or pad > PAD_HONOURED:
+                notes.append("padding_free not honoured: " + (f"{pad:.1%} padding" if pad is not None else "mixed"))
+        if fields.get("share_prompt") and layouts != ["shared"]:
+            notes.append(f"share_prompt did not share ({'/'.join(layouts)})")
+        exact = not any(k in fields for k in ESTIMATORS)
+        row.update(base, **agreement(steps["stock"], steps[name]))
+        row.update(layouts=layouts, padding_share=pad, executed_over_real=executed_over_real(name),
+                   stock_padding_share=stock["padding_share"],
+                   tokens_per_s=per_second(name), stock_tokens_per_s=stock["tokens_per_s"], exact=exact,
+                   notes="; ".join(notes))
+        rows.append(row)
+    return rows
+
+
+def agreement(stock: list[dict], other: list[dict]) -> dict:
+    """Loss and gradient-norm differences from stock on the same batches: at the first step (identical weights: the
+    exactness check) and the largest over every step (the weights drift apart by rounding through the optimizer)."""
+    pairs = [(s, o) for s, o in zip(stock, other) if s["batch"] == o["batch"]]
+    if not pairs or len(pairs) != len(stock):
+        return dict(batches_match=False)
+    loss = [abs(o["loss"] - s["loss"]) for s, o in pairs]
+    norm = [abs(o["grad_norm"] - s["grad_norm"]) / max(abs(s["grad_norm"]), 1e-12) for s, o in pairs
+            if s["grad_norm"] is not None and o["grad_norm"] is not None]
+    return dict(batches_match=True, stock_loss_first=pairs[0][0]["loss"], loss_diff_first=loss[0],
+                loss_diff_max=max(loss), grad_norm_rel_diff_first=norm[0] if norm else None,
+                grad_norm_rel_diff_max=max(norm) if norm else None)
+
+
 def _iqr(xs: list[float]) -> float:
     if len(xs) < 4:
         return float("nan")
@@ -292,7 +455,25 @@ COLUMNS = [
 ]
 
 
+WORKLOAD_COLUMNS = [
+    ("setting", "setting", "{}"),
+    ("layouts", "ran as", "{}"),
+    ("speedup_paired_median", "vs stock", "{:.2f}x"),
+    ("pruned_step_s", "s/step", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("padding_share", "padding", "{:.1%}"),
+    ("pruned_working_mb", "work mem", "{:.0f}M"),
+    ("memory_ratio", "mem ratio", "{:.2f}"),
+    ("loss_diff_first", "dloss@1", "{:.1e}"),
+    ("grad_norm_rel_diff_first", "dgnorm@1", "{:.1e}"),
+    ("notes", "notes", "{}"),
+]
+
+
 def group_title(row: dict) -> str:
+    if row["kind"] == "workload":
+        ckpt = "on" if row["checkpointing"] else "off"
+        return f"{row['group']} | reference={row['reference']} | checkpointing={ckpt} | clock={row['clock']}"
     return (
         f"{row.get('workload', '')} V={row['vocab'] // 1024}k P={row['prompt_len']} R={row['response_len']} "
         f"B={row['batch_pairs']} | reference={row['reference']} | "
@@ -303,20 +484,22 @@ def group_title(row: dict) -> str:
 def format_table(rows: list[dict]) -> str:
     lines = []
     title = None
-    widths = [max(len(h), 9) for _, h, _ in COLUMNS]
     for row in rows:
+        columns = WORKLOAD_COLUMNS if row["kind"] == "workload" else COLUMNS
+        widths = [max(len(h), 18 if key == "setting" else 9) for key, h, _ in columns]
         if group_title(row) != title:
             title = group_title(row)
-            lines += ["", title, "  ".join(h.rjust(wd) for (_, h, _), wd in zip(COLUMNS, widths))]
+            lines += ["", title, "  ".join(h.rjust(wd) for (_, h, _), wd in zip(columns, widths))]
         cells = []
-        for (key, _, fmt), wd in zip(COLUMNS, widths):
+        for (key, _, fmt), wd in zip(columns, widths):
             value = row.get(key)
+            value = "/".join(value) if isinstance(value, list) else value
             cells.append(("-" if value is None else fmt.format(value)).rjust(wd))
         lines.append("  ".join(cells))
     return "\n".join(lines)
 
 
-def write_outputs(out_dir: str, meta: dict, rows: list[dict]):
+def write_outputs(out_dir: str, meta: dict, rows: list[dict], plot_png: bool = True):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "step_time.json"), "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=1)
@@ -326,6 +509,8 @@ def write_outputs(out_dir: str, meta: dict, rows: list[dict]):
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows(flat)
+    if not plot_png:
+        return
     try:
         from benchmarks.plot import plot
 
@@ -386,6 +571,16 @@ def main(argv=None):
     mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tiniest mode, for CI")
     mode.add_argument("--share", dest="mode", action="store_const", const="share",
                       help="share_prompt grid: multi-turn, ultrafeedback and near-copy workloads")
+    parser.add_argument(
+        "--workload", nargs="+", choices=[*WORKLOAD_NAMES, "all"],
+        help="ragged workloads (ultrafeedback, hh, multiturn: lengths in workload.LENGTH_MODELS; short: uniform), "
+        "stock against padding_free, + share_prompt, + prune_common_prefix (the exact preset), + prefix pruning; "
+        "--smoke / --quick (default, <= 6 min CPU for all) / --full",
+    )
+    parser.add_argument("--scale", type=float, help="with --workload: length scale (default: the mode's; 1 = full)")
+    parser.add_argument("--near-copy", type=float, default=0.0, metavar="FRACTION",
+                        help="with --workload: the rejected response repeats this fraction of the chosen one at its "
+                        "start (default 0: dissimilar responses with the workload's small shared start)")
     parser.add_argument("--out", help="output folder (default benchmarks/results/<mode>_<device>)")
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS),
                         help="settings to time (default: the mode's own list)")
@@ -405,8 +600,11 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     mode = args.mode or "quick"
+    workloads = None
+    if args.workload:
+        workloads = list(WORKLOAD_NAMES) if "all" in args.workload else list(dict.fromkeys(args.workload))
     if args.settings is None:
-        args.settings = SHARE_SETTINGS if mode == "share" else MAIN_SETTINGS
+        args.settings = WORKLOAD_SETTINGS if workloads else SHARE_SETTINGS if mode == "share" else MAIN_SETTINGS
     on_cpu = args.device == "cpu"
     # On a CPU shared with other jobs, several threads oversubscribe the cores and ratios collapse toward 1.0x: one
     # thread and the CPU-time clock measure honestly there (docs/benchmarks.md).
@@ -417,8 +615,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     warn_if_loaded()
-    out_dir = args.out or os.path.join(os.path.dirname(__file__), "results", f"{mode}_{args.device}")
-    p = plan(mode)
+    prefix = "workloads_" if workloads else ""
+    out_dir = args.out or os.path.join(os.path.dirname(__file__), "results", f"{prefix}{mode}_{args.device}")
+    p = workload_plan(mode, workloads, args.scale, args.near_copy) if workloads else plan(mode)
     groups = p["groups"]
     if args.only:
         groups = [g for g in groups if g["kind"] == args.only]
@@ -461,11 +660,13 @@ def main(argv=None):
                 memory = measure_memory(
                     memory_server, group, names, args.device, args.bf16, p["memory_steps"], log, threads
                 )
-            group_rows = summarize(group, timed, memory, args.clock)
+            group_rows = (summarize_workload if workloads else summarize)(group, timed, memory, args.clock)
             print(format_table(group_rows), flush=True)
             rows += group_rows
             meta["elapsed_s"] = time.time() - started
-            write_outputs(out_dir, meta, rows)  # after every group: a long run that dies keeps what it measured
+            meta["cpu_s"] = time.process_time()  # this process only (memory runs in its own processes)
+            # after every group: a long run that dies keeps what it measured
+            write_outputs(out_dir, meta, rows, plot_png=not workloads)
     finally:
         if memory_server is not None:
             memory_server.close()

@@ -14,12 +14,13 @@ from __future__ import annotations
 import atexit
 import copy
 import logging
+import math
 import os
 import random
 import shutil
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -51,10 +52,92 @@ class Workload:
     model_shape: dict = field(default_factory=lambda: dict(MODEL_SHAPE))
     shared_response: float = 0.0  # fraction of the chosen response the rejected one repeats at its start (near-copies)
     name: str = ""  # the workload's name in tables (e.g. "multi-turn")
+    # Ragged lengths: a key of LENGTH_MODELS (then prompt_len / response_len are unused) and the factor its lengths
+    # are scaled by (medians and truncation alike, so every ratio is kept).
+    lengths: str = ""
+    length_scale: float = 1.0
+    # Std of the Gaussian noise added to the reference's weights (a copy of the policy's): with the reference equal to
+    # the policy every DPO loss is log 2 whatever the log-probs, and loss agreement with stock would check nothing.
+    reference_noise: float = 0.0
 
     def label(self) -> str:
-        base = f"V{self.vocab_size // 1024}k_P{self.prompt_len}_R{self.response_len}_B{self.batch_size}"
-        return f"{self.name}:{base}" if self.name else base
+        if self.lengths:
+            m = LENGTH_MODELS[self.lengths]
+            cap = m.scaled(self.length_scale).max_total
+            base = f"{self.lengths}x{self.length_scale:g}_V{self.vocab_size // 1024}k_max{cap}"
+            base += f"_B{self.batch_size}" + (f"_copy{self.shared_response:g}" if self.shared_response else "")
+        else:
+            base = f"V{self.vocab_size // 1024}k_P{self.prompt_len}_R{self.response_len}_B{self.batch_size}"
+        return f"{self.name}:{base}" if self.name and self.name != self.lengths else base
+
+    def max_row(self) -> int:
+        """The longest row (prompt + response, EOS included) the dataset can hold."""
+        if self.lengths:
+            return LENGTH_MODELS[self.lengths].scaled(self.length_scale).max_total
+        return self.prompt_len + self.response_len
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    """How long one pair's prompt and responses are: log-normal (the median and sigma of log-length), truncated.
+
+    A draw, per pair: prompt P ~ exp(N(ln prompt_median, prompt_sigma^2)), chosen and rejected lengths C, R drawn
+    independently from exp(N(ln response_median, response_sigma^2)) (EOS included), each at least 2 tokens. Then
+    truncation, as TRL's `max_length` with `truncation_mode="keep_start"` would do it: the prompt is cut to
+    `max_prompt`, each response to `max_total - P`. The responses share their first k tokens, k ~ Geometric with mean
+    `shared_start_mean` (P(k = 0) = 1 / (1 + mean)), at most min(C, R) - 1: real dissimilar responses often open with
+    the same word or two ("Sure", "I"), and that start is what `prune_common_prefix` can skip. `uniform`: every length
+    is exactly its median (no raggedness; no shared start).
+    """
+
+    prompt_median: float
+    prompt_sigma: float
+    response_median: float
+    response_sigma: float
+    max_total: int
+    max_prompt: int
+    shared_start_mean: float = 0.0
+    uniform: bool = False
+
+    def scaled(self, scale: float) -> "LengthModel":
+        """The same shape at `scale` times the lengths (medians and truncation; sigmas and the shared start kept)."""
+        return replace(
+            self, prompt_median=self.prompt_median * scale, response_median=self.response_median * scale,
+            max_total=max(8, round(self.max_total * scale)), max_prompt=max(4, round(self.max_prompt * scale)),
+        )
+
+    def sample(self, rng: random.Random) -> tuple[int, int, int, int]:
+        """(prompt, chosen, rejected, shared start) lengths of one pair, in tokens (responses with their EOS)."""
+
+        def draw(median, sigma):
+            return round(median) if self.uniform else round(rng.lognormvariate(math.log(median), sigma))
+
+        prompt = min(max(draw(self.prompt_median, self.prompt_sigma), 2), self.max_prompt)
+        room = self.max_total - prompt
+        chosen, rejected = (min(max(draw(self.response_median, self.response_sigma), 2), room) for _ in range(2))
+        shared = 0
+        if self.shared_start_mean > 0 and not self.uniform:
+            stop = 1.0 / (1.0 + self.shared_start_mean)  # geometric on {0, 1, ...} with this mean
+            while rng.random() > stop:
+                shared += 1
+        return prompt, chosen, rejected, min(shared, min(chosen, rejected) - 1)
+
+
+# Full-scale length models (tokens). Fitted so that a 20k-pair sample has (tests/test_benchmarks_smoke.py checks it):
+#   ultrafeedback  median row (prompt + chosen) ~409, median prompt / median response ~0.42, tail truncated at 1024
+#   hh             median row ~186, median prompt / median response ~2.15 (HH-RLHF: the dialogue so far is the prompt)
+#   multiturn      median row ~512, median prompt / median response ~3 (a long chat history, a shorter answer)
+#   short          uniform 32 + 32: no padding to remove and no shared start (the "never slower" sanity check)
+LENGTH_MODELS = {
+    "ultrafeedback": LengthModel(prompt_median=108, prompt_sigma=0.9, response_median=258, response_sigma=0.6,
+                                 max_total=1024, max_prompt=512, shared_start_mean=1.0),
+    "hh": LengthModel(prompt_median=112, prompt_sigma=0.8, response_median=52.5, response_sigma=0.8,
+                      max_total=1024, max_prompt=768, shared_start_mean=1.0),
+    "multiturn": LengthModel(prompt_median=364, prompt_sigma=0.5, response_median=121, response_sigma=0.6,
+                             max_total=1024, max_prompt=768, shared_start_mean=1.0),
+    "short": LengthModel(prompt_median=32, prompt_sigma=0.0, response_median=32, response_sigma=0.0,
+                         max_total=64, max_prompt=32, uniform=True),
+}
 
 
 def quiet():
@@ -120,6 +203,8 @@ def build_dataset(w: Workload):
         return " ".join(f"t{rng.randrange(lo_id, w.vocab_size)}" for _ in range(n))
 
     rows = {"prompt": [], "chosen": [], "rejected": []}
+    if w.lengths:
+        return Dataset.from_dict(_ragged_rows(w, rng, words))
     for _ in range(w.batch_size * w.num_batches):
         rows["prompt"].append(words(rng.randint(3 * w.prompt_len // 4, w.prompt_len)))
         # The leading space keeps prompt + completion a word boundary, so TRL's prompt/completion split is exact.
@@ -132,6 +217,24 @@ def build_dataset(w: Workload):
     return Dataset.from_dict(rows)
 
 
+def _ragged_rows(w: Workload, rng: random.Random, words) -> dict:
+    """Pairs with lengths drawn from `LENGTH_MODELS[w.lengths]` at `w.length_scale`; near-copies (`shared_response`)
+    repeat that fraction of the chosen response at the rejected one's start instead of the model's shared start."""
+    model = LENGTH_MODELS[w.lengths].scaled(w.length_scale)
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for _ in range(w.batch_size * w.num_batches):
+        prompt, n_chosen, n_rejected, shared = model.sample(rng)
+        chosen, rejected = words(n_chosen - 1).split(), words(n_rejected - 1).split()  # TRL appends the EOS
+        if w.shared_response:
+            shared = int(w.shared_response * len(chosen))
+        shared = max(min(shared, len(chosen) - 1, len(rejected) - 1), 0)  # each response keeps a token of its own
+        rejected = chosen[:shared] + rejected[shared:]
+        rows["prompt"].append(words(prompt))
+        rows["chosen"].append(" " + " ".join(chosen))
+        rows["rejected"].append(" " + " ".join(rejected))
+    return rows
+
+
 def build_model(w: Workload, dtype=torch.float32, *, attn: str | None = None, device: str = "cpu"):
     """The cell's model, random weights from `w.seed`: the one builder of every benchmark (CPU harness and GPU check).
 
@@ -142,7 +245,7 @@ def build_model(w: Workload, dtype=torch.float32, *, attn: str | None = None, de
 
     config = Qwen2Config(
         vocab_size=w.vocab_size,
-        max_position_embeddings=max(2048, 2 * (w.prompt_len + w.response_len)),
+        max_position_embeddings=max(2048, 2 * w.max_row()),
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=1,
@@ -153,12 +256,6 @@ def build_model(w: Workload, dtype=torch.float32, *, attn: str | None = None, de
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
     return model.to(dtype)
-
-
-PRUNING_FIELDS = (
-    "branch_keep_prob", "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_sampling",
-    "share_prompt",
-)
 
 
 def build_trainer(
@@ -211,7 +308,7 @@ def build_trainer(
         **extra,
     )
     model = model.to(device)
-    ref_model = None if precompute else copy.deepcopy(model)
+    ref_model = None if precompute else perturbed_copy(model, w.reference_noise, w.seed)
     return trainer_cls(
         model=model,
         ref_model=ref_model,
@@ -219,6 +316,18 @@ def build_trainer(
         train_dataset=build_dataset(w),
         processing_class=build_tokenizer(w.vocab_size),
     )
+
+
+def perturbed_copy(model, noise: float, seed: int):
+    """A deep copy of `model` (the live reference), its weights plus N(0, noise^2) noise drawn from `seed` (the same
+    reference on every side of a comparison)."""
+    ref = copy.deepcopy(model)
+    if noise > 0:
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p) * noise)
+    return ref
 
 
 def _plugin_forward_trainer():
@@ -268,6 +377,7 @@ class StepRunner:
         self.loader = trainer.get_train_dataloader()
         self._iterator = iter(self.loader)
         self.last_batch = None
+        self.last_grad_norm = None  # the total gradient norm before clipping (a tensor: reading it is left to callers)
 
     def _next_batch(self):
         try:
@@ -283,9 +393,41 @@ class StepRunner:
         self.last_batch = batch
         loss = t.training_step(self.model, batch)
         if t.args.max_grad_norm and t.args.max_grad_norm > 0:
-            t.accelerator.clip_grad_norm_(self.model.parameters(), t.args.max_grad_norm)
+            self.last_grad_norm = t.accelerator.clip_grad_norm_(self.model.parameters(), t.args.max_grad_norm)
         t.optimizer.step()
         t.lr_scheduler.step()
         self.model.zero_grad()
         t.state.global_step += 1
         return loss
+
+
+def layout_tokens(batch, scored: torch.Tensor | None = None) -> dict:
+    """The real (non-padding) tokens a policy forward of this collated batch must execute, per layout, from the batch
+    alone (and the trainer's scored mask when it prunes positions or prefixes; None: every response position).
+
+    `padded`: TRL's batch, rows padded to the longest (every real token of every row).
+    `rows`: one row per response, each run up to its last scored token (what the unshared forward needs, its labels
+    read from its own input). `rows_packed`: the same rows with pre-shifted labels, one position fewer per row (the
+    token after a row's last needed position is only a label), as a packed padding-free forward runs them.
+    `shared`: per pair, the s - 1 positions before the last token that chosen and rejected share (prompt and common
+    response start) once, then each branch's own positions, up to the position predicting its last scored token
+    (labels pre-shifted: the last token is only a label), as in docs/method.md's packed layout.
+    Padding of a forward = executed - real tokens of its layout. Rows are right-padded (TRL's collator).
+    """
+    ids, valid = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
+    if scored is None:
+        scored = batch["completion_mask"].cpu()[:, 1:].bool()
+    scored = scored.cpu().bool()
+    cols = torch.arange(1, scored.size(1) + 1)
+    need = (scored.long() * cols).amax(dim=1) if scored.numel() else torch.zeros(ids.size(0), dtype=torch.long)
+    pairs = ids.size(0) // 2
+    agree = (ids[:pairs] == ids[pairs:]) & (valid[:pairs] == valid[pairs:]) & valid[:pairs]
+    common = agree.long().cumprod(dim=1).sum(dim=1)
+    need_w, need_l = need[:pairs], need[pairs:]
+    shared = torch.minimum((common - 1).clamp(min=0), torch.maximum(need_w, need_l))
+    return dict(
+        padded=int(valid.sum()),
+        rows=int((need + (need > 0).long()).sum()),
+        rows_packed=int(need.sum()),
+        shared=int((shared + (need_w - shared).clamp(min=0) + (need_l - shared).clamp(min=0)).sum()),
+    )

@@ -120,8 +120,8 @@ def cell_summary(study, regime, batch, settings):
                 "b_simple": statistics.median(f["b_simple"] for f in first),
                 "r_branch": statistics.median(f["r_branch"] for f in first),
                 "r_branch_point": statistics.median(f.get("r_branch_point", f["r_branch"]) for f in first),
-                "r_position": statistics.median(f["r_position"] for f in first),
-                "near": statistics.median(f["near_copy_fraction"] for f in first),
+                "r_position": statistics.median(f.get("r_position") or 0.0 for f in first),  # None: not probed
+                "near": statistics.median(f.get("near_copy_fraction", math.nan) for f in first),  # old auto only
                 "half_cost": statistics.median(f.get("branch_half_cost", math.nan) for f in first),
                 "overhead": statistics.median(_measure_cost(runs[s]) / _cost_at(runs[s], n) for s in seeds
                                               if runs[s].get("auto")),

@@ -129,7 +129,7 @@ def far_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
 LABEL_NOISE = 0.1  # share of dissimilar pairs whose preference label is swapped
 
 
-def dissimilar_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
+def dissimilar_pairs(rows, seed: int = 0, label_noise: float = LABEL_NOISE) -> list[dict[str, str]]:
     """The dissimilar-pairs regime: two different answers of different quality, not a planted mistake.
 
     The separator space moves from the answers into the prompt (the character sequence of every row is unchanged:
@@ -159,13 +159,16 @@ def dissimilar_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
             if wrong == answer:  # one item, or all equal: a neighbouring number instead
                 wrong = [str(int(v) + 1 if int(v) < 99 else int(v) - 1) for v in answer]
         chosen, rejected = " ".join(answer), " ".join(wrong)
-        if rng.random() < LABEL_NOISE:
+        if rng.random() < label_noise:
             chosen, rejected = rejected, chosen
         out.append({"prompt": row["prompt"] + " ", "chosen": chosen, "rejected": rejected})
     return out
 
 
-REGIMES = {"near": lambda rows: rows, "dissimilar": dissimilar_pairs}
+# dissimilar-clean: the same pairs without swapped labels, where stock nearly saturates and a fixed branch 0.5 costs
+# little (the cell of issue 21 where `auto` should prune)
+REGIMES = {"near": lambda rows: rows, "dissimilar": dissimilar_pairs,
+           "dissimilar-clean": lambda rows: dissimilar_pairs(rows, label_noise=0.0)}
 
 
 def as_dataset(rows) -> Dataset:

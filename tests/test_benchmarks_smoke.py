@@ -1,6 +1,8 @@
 """The benchmark harness runs end to end in its tiniest mode and writes the fields the docs rely on.
 
-No timing assertions: the numbers of a 2-layer, 64-wide model mean nothing. The FLOP model is checked against the
+No timing assertions: the numbers of a 2-layer, 64-wide model mean nothing. The `--workload` grid runs in its
+tiniest mode and checks the exact settings against stock's loss; its length models are checked against the numbers
+docs/benchmarks.md states. The FLOP model is checked against the
 worked examples in docs (branch pruning at 0.5: 10 -> 7 forward-units with a live reference and checkpointing, 8 -> 5
 with a precomputed reference, 8 -> 6 without checkpointing).
 """
@@ -78,6 +80,109 @@ def test_smoke_run_writes_results(tmp_path):
     assert (out / "step_time.csv").read_text().startswith("kind,")
     pytest.importorskip("matplotlib")
     assert (out / "step_time.png").stat().st_size > 0
+
+
+# What docs/benchmarks.md says the length models give at full scale (20k pairs): median row (prompt + chosen) and
+# median prompt / median response.
+DOCUMENTED_LENGTHS = {"ultrafeedback": (409, 0.42), "hh": (186, 2.15), "multiturn": (512, 3.0)}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED_LENGTHS))
+def test_length_models_match_their_documentation(name):
+    import random
+    import statistics
+
+    from benchmarks.workload import LENGTH_MODELS
+
+    total, ratio = DOCUMENTED_LENGTHS[name]
+    for scale in (1.0, 0.25):
+        model = LENGTH_MODELS[name].scaled(scale)
+        rng = random.Random(0)
+        pairs = [model.sample(rng) for _ in range(20000)]
+        prompt, chosen = [p[0] for p in pairs], [p[1] for p in pairs]
+        assert statistics.median(p + c for p, c in zip(prompt, chosen)) == pytest.approx(total * scale, rel=0.03)
+        assert statistics.median(prompt) / statistics.median(chosen) == pytest.approx(ratio, rel=0.03)
+        assert max(p + max(c, r) for p, c, r, _ in pairs) <= model.max_total  # the long tail is truncated
+        assert all(0 <= k < min(c, r) for _, c, r, k in pairs)  # each response keeps a token of its own
+        if scale == 1.0:
+            assert model.max_total == 1024 and statistics.mean(p[3] for p in pairs) == pytest.approx(1.0, abs=0.05)
+
+
+def test_layout_tokens_counts_real_tokens_per_layout():
+    import torch
+
+    from benchmarks.workload import layout_tokens
+
+    # 2 pairs, right-padded to 6: pair 0 shares 3 tokens (prompt 2 + 1 response token), pair 1 its 2-token prompt
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 0, 0, 0], [5, 6, 7, 4, 0, 0], [5, 6, 8, 9, 0, 0]])
+    valid = (ids != 0).long()
+    completion = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 0, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]])
+    counts = layout_tokens(dict(input_ids=ids, attention_mask=valid, completion_mask=completion))
+    assert counts["padded"] == 5 + 3 + 4 + 4  # every real token
+    assert counts["rows"] == 5 + 3 + 4 + 4  # each row up to its last token
+    assert counts["rows_packed"] == 4 + 2 + 3 + 3  # pre-shifted labels: the last token is only a label
+    # per pair: s - 1 shared positions, then each branch's positions up to the one predicting its last token
+    # pair 0: s = 3 -> 2 shared + (4 - 2) + (3 - 2); pair 1: s = 2 -> 1 shared + (2 - 1) + (3 - 1)
+    assert counts["shared"] == (2 + 2 + 1) + (1 + 1 + 2)
+
+
+def test_workload_smoke_run(tmp_path):
+    """`--workload` end to end in its tiniest mode: stock and every exact-savings setting, side by side."""
+    from benchmarks import report, step_time
+
+    out = tmp_path / "bench"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--workload", "hh", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "padding" in proc.stdout and "dloss@1" in proc.stdout  # the table is printed
+    data = json.loads((out / "step_time.json").read_text())
+    rows = {r["setting"]: r for r in data["results"]}
+    assert list(rows) == ["stock", *step_time.WORKLOAD_SETTINGS]
+    assert rows["stock"]["padding_share"] > 0.05  # ragged lengths: stock pads every row to the longest
+    for name in step_time.WORKLOAD_SETTINGS:
+        row = rows[name]
+        assert row["speedup_paired_median"] > 0 and row["tokens_per_s"] > 0 and row["batches_match"]
+        assert row["padding_share"] is None or 0 <= row["padding_share"] < 1
+        assert row["exact"] == (name != "exact+prefix0.5")
+        if row["exact"]:  # identical weights and batch at step 1: the exact settings are stock's computation
+            assert row["loss_diff_first"] <= report.EXACT_LOSS, row
+            assert row["grad_norm_rel_diff_first"] <= report.EXACT_GRAD, row
+    assert rows["exact"]["memory_ratio"] > 0  # fresh-process memory measured
+    assert abs(rows["exact"]["stock_loss_first"] - 0.6931) > 1e-3  # the reference differs from the policy
+    assert "### Targets" in report.render(data)
+
+
+def test_a_fallback_is_reported_not_counted_as_a_saving():
+    """A `padding_free` the trainer did not honour (TRL's padded forward ran, or padded rows) is named in `notes` and
+    fails the report's "ran as configured" target; its padding is what ran."""
+    from benchmarks import report, step_time
+
+    shape = Shape(hidden=8, layers=1, intermediate=8, heads=1, kv_heads=1, head_dim=8, vocab=8)
+    work = Work(policy_rows=2, policy_tokens=20.0, policy_positions=10.0, grad_rows=2, grad_tokens=20.0,
+                grad_positions=10.0, response_positions=10.0)
+
+    def step(layout, executed, real):
+        return dict(measured=True, loss=0.7, grad_norm=1.0, batch=1, layout=layout, executed=executed, real=real,
+                    data_tokens=real)
+
+    runs = {"stock": [step("trl-padded", 20, 15)], "padding_free": [step("trl-padded", 20, 15)],
+            "padding_free+share": [step("rows", 20, 15)], "exact": [step("shared", 12, 12)]}
+    timed = dict(times={n: [1.0] for n in runs}, cpu_times={n: [1.0] for n in runs},
+                 works={n: [work] for n in runs}, shape=shape, steps=runs)
+    group = dict(workload=step_time.Workload(lengths="hh", name="hh"), precompute=False, checkpointing=True,
+                 kind="workload")
+    rows = {r["setting"]: r for r in step_time.summarize_workload(group, timed, {}, "cpu")}
+    assert rows["stock"]["padding_share"] == pytest.approx(0.25)
+    assert "padding_free ignored" in rows["padding_free"]["notes"]
+    assert rows["padding_free"]["padding_share"] == pytest.approx(0.25)  # stock's padding, as it ran
+    notes = rows["padding_free+share"]["notes"]
+    assert "padding_free not honoured: 25.0% padding" in notes and "share_prompt did not share" in notes
+    assert rows["exact"]["notes"] == "" and rows["exact"]["padding_share"] == 0.0
+    checks = {name: ok for name, ok, _ in report.workload_targets(list(rows.values()))}
+    assert checks["every setting ran as configured (no fallback)"] is False
 
 
 def test_warns_when_the_machine_is_loaded(monkeypatch, capsys):

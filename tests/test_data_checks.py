@@ -1,4 +1,6 @@
 """Degenerate and truncated training pairs are reported once, with numbers; datasets that cannot train are refused.
+Only when the pruned forward is used (pruning off is stock, which says nothing), vectorised (checked against a naive
+per-row loop), once, on the main process.
 
 Each case builds the trainer only (no training step): a few seconds in all.
 """
@@ -10,12 +12,16 @@ from datasets import Dataset
 
 from conftest import build_trainer, preference_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.safety import data_checks
+
+PRUNED = {"position_keep_prob": 0.5}  # the checks run with the pruned forward only
 
 
 def build(tokenizer, rows, tmp_path, **overrides):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(rows), tmp_path, **overrides)
+        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(rows), tmp_path,
+                      **{**PRUNED, **overrides})
     return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "training pairs" in str(w.message)]
 
 
@@ -54,3 +60,42 @@ def test_truncation_is_reported_with_its_share(tokenizer, tmp_path):
 def test_every_pair_dropped_by_truncation_is_refused(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="Every one of the 8 training pairs was dropped"):
         build(tokenizer, preference_rows(8), tmp_path, max_length=3)
+
+
+def test_pruning_off_runs_no_check_as_stock(tokenizer, tmp_path, monkeypatch):
+    rows = [{**row, "rejected": row["chosen"]} for row in preference_rows(4)]  # refused with pruning on
+    monkeypatch.setattr(data_checks, "pair_findings", lambda *a: pytest.fail("checked with pruning off"))
+    assert build(tokenizer, rows, tmp_path, position_keep_prob=1.0) == []
+
+
+def test_vectorised_findings_equal_a_per_row_loop(tokenizer, tmp_path):
+    """`pair_findings` (numpy over Arrow) against the obvious loop, on pairs with every case mixed, shuffled so the
+    prepared dataset reads through an indices mapping."""
+    rows = preference_rows(40)
+    for i in range(0, 40, 5):
+        rows[i] = {**rows[i], "rejected": rows[i]["chosen"]}
+    for i in range(2, 40, 7):
+        rows[i] = {**rows[i], "chosen": ""}
+    for i in range(3, 40, 9):
+        rows[i] = {**rows[i], "chosen": "", "rejected": ""}
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(rows), tmp_path,
+                            **PRUNED)
+    prepared = trainer.train_dataset.shuffle(seed=0)
+    assert prepared._indices is not None
+    eos = tokenizer.eos_token_id
+    for max_length, keep_start in ((None, True), (30, True), (20, False)):
+        found = data_checks.pair_findings(prepared, max_length, keep_start, eos)
+        expected = {"degenerate": 0, "first": None, "empty": 0, "first_empty": None, "truncated": 0}
+        for i, row in enumerate(prepared):
+            chosen, rejected = row["chosen_ids"], row["rejected_ids"]
+            strip = lambda ids: ids[:-1] if ids and ids[-1] == eos else ids  # noqa: E731
+            if chosen == rejected:
+                expected["degenerate"] += 1
+                expected["first"] = i if expected["first"] is None else expected["first"]
+            elif not strip(chosen) or not strip(rejected):
+                expected["empty"] += 1
+                expected["first_empty"] = i if expected["first_empty"] is None else expected["first_empty"]
+            longest = max(len(chosen), len(rejected)) + (len(row["prompt_ids"]) if keep_start else 0)
+            expected["truncated"] += max_length is not None and longest > max_length
+        assert found == {"total": len(prepared), **expected}, (max_length, keep_start)
+        assert found["degenerate"] and found["empty"] and (max_length is None or found["truncated"])

@@ -425,7 +425,8 @@ def test_pretraining_warnings():
 
 
 def test_divergence_guard_flags_nan_and_explosions_and_keeps_worst_values():
-    guard = DivergenceGuard()
+    # issue 22: a finite threshold is opt-in (`divergence_factor`); by default only non-finite values stop a run
+    guard = DivergenceGuard(factor=1e3)
     assert guard.observe(1, 0.69, 1.0) is None
     assert guard.observe(2, 0.70, 0.0) is None
     assert guard.observe(3, 0.71, 2.0) is None
@@ -433,13 +434,63 @@ def test_divergence_guard_flags_nan_and_explosions_and_keeps_worst_values():
     fresh = DivergenceGuard()
     fresh.observe(1, 0.69, 1.0)
     assert "loss is nan" in fresh.observe(2, math.nan, 1.0)
-    assert "1449275x the median" in fresh.observe(3, 1e6, 1.0)
+    assert fresh.observe(3, 1e6, 1.0) is None  # finite: no threshold by default
+    assert "gradient norm is inf" in fresh.observe(4, 0.5, math.inf)
     summary = guard.summary()
     assert "largest loss 1e+06 (step 4)" in summary and "largest grad norm 6e+12 (step 4)" in summary
     assert "1 of 4 steps with zero gradient" in summary
     copy = DivergenceGuard()
     copy.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     assert copy.summary() == summary
+
+
+def test_saturating_loss_with_one_hard_batch_is_not_a_divergence_by_default():
+    """The false stop of a finite threshold (docs/cli.md): a DPO loss saturated near 1e-4 meets one ordinary hard
+    batch (0.7, 7000x the median). The default guard trains on; `divergence_factor=1e3` stops there, as documented."""
+    losses = [1e-4 * (1 + 0.1 * (i % 3)) for i in range(20)] + [0.7]
+    default, opted_in = DivergenceGuard(), DivergenceGuard(factor=1e3)
+    assert [default.observe(i, loss, 0.1) for i, loss in enumerate(losses)] == [None] * len(losses)
+    flagged = [opted_in.observe(i, loss, 0.1) for i, loss in enumerate(losses)]
+    assert flagged[:-1] == [None] * (len(losses) - 1) and "x the median of the steps before it" in flagged[-1]
+    with pytest.raises(ValueError, match="divergence_factor"):
+        PrunedDPOConfig(output_dir="unused", bf16=False, divergence_factor=0.5)
+
+
+def test_guard_default_follows_pruning(tokenizer, data, tmp_path, monkeypatch):
+    """Unset `stop_on_divergence`: on with the pruned forward, off with every pruning off (stock trains on through a
+    NaN loss: test_parity.py::test_nan_loss_trains_on_as_stock); explicit values win either way."""
+    from trl_pruned_dpo.safety.guards import stops_on_divergence
+
+    base = dict(output_dir="unused", bf16=False)
+    assert stops_on_divergence(PrunedDPOConfig(**base, position_keep_prob=0.5))
+    assert not stops_on_divergence(PrunedDPOConfig(**base))
+    assert stops_on_divergence(PrunedDPOConfig(**base, stop_on_divergence=True))
+    assert not stops_on_divergence(PrunedDPOConfig(**base, position_keep_prob=0.5, stop_on_divergence=False))
+    original = PrunedDPOTrainer.compute_loss
+
+    def poisoned(self, *args, **kwargs):
+        loss = original(self, *args, **kwargs)
+        return loss * math.nan if self.state.global_step == 1 else loss
+
+    monkeypatch.setattr(PrunedDPOTrainer, "compute_loss", poisoned)
+    off = trainer_for(tokenizer, data, tmp_path / "off", max_steps=3, save_strategy="no", branch_keep_prob=1.0,
+                      prefix_prune_prob=0.0)
+    off.train()
+    assert off.state.global_step == 3 and off.divergence_guard.steps == 0  # nothing read, nothing stopped
+    asked = trainer_for(tokenizer, data, tmp_path / "asked", max_steps=3, save_strategy="no", branch_keep_prob=1.0,
+                        prefix_prune_prob=0.0, stop_on_divergence=True)
+    with pytest.raises(TrainingDiverged, match="diverged at step 2: loss is nan"):
+        asked.train()
+
+
+def test_guard_reads_the_step_gradient_norm(tokenizer, data, tmp_path):
+    """Pins transformers' positional `_maybe_log_save_evaluate(tr_loss, grad_norm, ...)` (seam.py): a finite loss with
+    a NaN gradient at step 2 must stop the run naming the gradient norm, which the trainer reads from that argument."""
+    trainer = trainer_for(tokenizer, data, tmp_path, max_steps=4, save_strategy="no")
+    weight = trainer.model.get_input_embeddings().weight
+    weight.register_hook(lambda grad: grad * math.nan if trainer.state.global_step == 1 else grad)
+    with pytest.raises(TrainingDiverged, match=r"diverged at step 2: gradient norm is nan"):
+        trainer.train()
 
 
 def test_nan_loss_stops_without_checkpointing_it(tokenizer, data, tmp_path, monkeypatch):
@@ -455,11 +506,11 @@ def test_nan_loss_stops_without_checkpointing_it(tokenizer, data, tmp_path, monk
                                                r"complete checkpoint, .*checkpoint-3;"):
         trainer.train()
     assert not (tmp_path / "checkpoint-4").exists()
-    # opting out trains on (and the summary's worst values show it)
+    # opting out trains on, and reads nothing from the device for it (issue 22: no worst values without the guard)
     monkeypatch.setattr(PrunedDPOTrainer, "compute_loss", poisoned)
     optout = trainer_for(tokenizer, data, tmp_path / "optout", max_steps=4, stop_on_divergence=False)
     optout.train()
-    assert optout.state.global_step == 4 and optout.divergence_guard.nonfinite_steps >= 1
+    assert optout.state.global_step == 4 and optout.divergence_guard.steps == 0
 
 
 def test_warns_before_training_on_alarming_settings(tokenizer, data, tmp_path):
@@ -480,3 +531,44 @@ def test_every_row_dropped_by_truncation_is_said(tokenizer, data, tmp_path):
     with pytest.raises(EmptyTrainingSet, match=r"Every one of the \d+ training pairs was dropped because its prompt "
                                                r"alone fills `max_length` \(5\) tokens"):
         trainer_for(tokenizer, data, tmp_path, max_length=5)
+
+
+# --- issue 22: one writer per marker, unique temporary names; stock checkpoints -------------------------------------
+
+
+def _write_markers(path, count):
+    for i in range(count):
+        checkpoints.write_json_atomic(Path(path), {"writer": os.getpid(), "i": i})
+
+
+def test_marker_writers_on_a_shared_folder_never_collide(tmp_path):
+    """Two processes (two nodes' writers with `save_on_each_node` on a shared filesystem) writing the same marker:
+    each through its own temporary name, renamed atomically; the marker is always whole, nothing is left behind."""
+    import multiprocessing
+
+    target = tmp_path / MARKER
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_write_markers, args=(str(target), 200)) for _ in range(2)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+    assert [w.exitcode for w in writers] == [0, 0]
+    assert json.loads(target.read_text())["i"] == 199
+    assert [p.name for p in tmp_path.iterdir()] == [MARKER]
+
+
+def test_a_stock_checkpoint_is_complete_and_an_interrupted_plugin_save_is_not(tmp_path):
+    stock = tmp_path / "checkpoint-1"
+    stock.mkdir()
+    (stock / "trainer_state.json").write_text("{}")
+    (stock / "model.safetensors").write_bytes(b"0")
+    assert checkpoints.is_foreign(stock) and checkpoints.incomplete_reason(stock) is None
+    path, note = checkpoints.resolve_resume(True, PrunedDPOConfig(output_dir=str(tmp_path), bf16=False))
+    assert Path(path) == stock and "no trl-pruned-dpo completion marker" in note and "\n" not in note
+    plugin = tmp_path / "checkpoint-2"
+    checkpoints.unmark(plugin)  # what a plugin save writes first
+    (plugin / "trainer_state.json").write_text("{}")  # every stock file written, the marker not yet
+    assert not checkpoints.is_foreign(plugin)
+    assert checkpoints.incomplete_reason(plugin).startswith("no completion marker")
+    assert checkpoints.last_complete(tmp_path) == stock

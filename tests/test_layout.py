@@ -3,7 +3,7 @@
 Read with `ast`, nothing imported; an import inside a function counts like one at the top (a lazy import that breaks
 a circle at run time is still a circle in the design). Layers, bottom to top:
 
-    config, errors  <  method/  <  auto, reference, metrics, seam  <  safety/  <  trainer  <  cli/, trl_hook*
+    config, errors, notices  <  method/  <  auto, reference, metrics, seam  <  safety/  <  trainer  <  cli/, trl_hook*
 
 demo/ (the offline assets) sits beside the bottom layers and imports none of the package's training code.
 """
@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "trl_pruned_dpo"
 LAYERS = [
-    {"config", "errors"},
+    {"config", "errors", "notices"},
     {"method"},
     {"auto", "reference", "metrics", "seam"},
     {"safety"},

@@ -15,7 +15,8 @@ from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, p
 from test_off_means_stock import assert_same_step
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import PruneMasks
-from trl_pruned_dpo.method.plan import HostBatch, common_tokens, pack, plan_policy, shared_is_cheaper
+from trl_pruned_dpo.method.attention import PACKED
+from trl_pruned_dpo.method.plan import HostBatch, common_tokens, plan_group, plan_policy, shared_is_cheaper
 
 
 def edge_rows():
@@ -74,7 +75,7 @@ def test_shared_equals_unshared_and_stock(build, attn, case, tokenizer, tmp_path
         return build_trainer(cls, config, tokenizer, data, tmp_path / name, model=copy.deepcopy(model), **kw, **extra)
 
     shared = make(PrunedDPOTrainer, PrunedDPOConfig, "shared", share_prompt=True)
-    assert shared._share_backend == attn
+    assert shared._share_backend == PACKED and shared._packed
     assert_same_step(make(DPOTrainer, DPOConfig, "stock"), shared, batch_size=8)
     unshared = make(PrunedDPOTrainer, PrunedDPOConfig, "unshared")
     assert_same_loss_and_grads(unshared, shared)
@@ -162,19 +163,24 @@ def test_plan_layout(tokenizer):
     """Token counts of the packed layout, worked by hand. Pair 0: prompt 4 + responses 'abc'/'abd' (s = 6); pair 1:
     prompt 4 + identical 'xy' (s = 6, the whole row); pair 2: prompt 2, responses 'a'/'bcdef' (s = 2)."""
     host = _host([("wxyz", "abc", "abd"), ("wxyz", "xy", "xy"), ("pq", "a", "bcdef")], tokenizer)
-    assert common_tokens(host) == [6, 6, 2]
+    assert common_tokens(host).tolist() == [6, 6, 2]
     scored = host.completion_mask[:, 1:].bool()
-    group = pack(host, scored, [(p, (p, p + 3)) for p in range(3)], common_tokens(host))
+    group = plan_group(host, scored, torch.ones(6, dtype=torch.bool), torch.ones(3, dtype=torch.bool), packed=True)
     # pair 0: 5 shared positions (0..4) + 1 per branch (position 5 predicts the diverging token): 7
     # pair 1: 5 shared positions, nothing after; pair 2: 1 shared + 1 ('a' row: position 1) + 5 ('bcdef'): 7
     assert group.tokens == 7 + 5 + 7
     # every scored cell is routed, nothing else
     assert torch.equal(group.source >= 0, scored)
-    # first-fit-decreasing into rows of the longest item (7): 7 | 7 | 5 -> three rows
-    assert group.input_ids.shape == (3, 7)
-    # within an item, the rejected branch restarts its position ids where the chosen one did
-    row = group.segment[0]
-    assert group.position_ids[0, row == 1].tolist() == group.position_ids[0, row == 2].tolist()[: int((row == 1).sum())]
+    # one row, no padding; segments [shared | chosen | rejected] per pair, empty ones dropped
+    assert group.input_ids.shape == (1, 19)
+    assert group.cu_seq_q.tolist() == [0, 5, 6, 7, 12, 13, 14, 19]
+    # a branch's keys: its pair's shared part, then itself (lower-right causal in attention.py)
+    assert group.cu_seq_k.tolist() == [0, 5, 11, 17, 22, 23, 25, 31]
+    assert group.kv_index[5:11].tolist() == [0, 1, 2, 3, 4, 5] and group.kv_index[11:17].tolist() == [0, 1, 2, 3, 4, 6]
+    assert group.kv_index[25:31].tolist() == [12, 14, 15, 16, 17, 18]
+    # the rejected branch restarts its position ids where the chosen one did
+    assert group.position_ids[0, 5:7].tolist() == [5, 5] and group.position_ids[0, 14:19].tolist() == [1, 2, 3, 4, 5]
+    assert (group.max_q, group.max_k) == (5, 6)
 
 
 def test_cost_model_picks_cheaper_execution(tokenizer):
@@ -187,7 +193,7 @@ def test_cost_model_picks_cheaper_execution(tokenizer):
         scored = host.completion_mask[:, 1:].bool()
         masks = PruneMasks(scored, scored.float(), torch.zeros(2, dtype=torch.long), torch.tensor([True, False]),
                            torch.tensor([2.0, 0.0]), scored)
-        plan = plan_policy(host, masks, frozen_group=True, grad_cost=4.0, common=common_tokens(host))
+        plan = plan_policy(host, masks, frozen_group=True, grad_cost=4.0, share=True, packed=True)
         assert (plan.shared_pairs, plan.split_pairs) == ((1, 0) if expect_shared else (0, 1))
         grad_rows_routed = (plan.grad.source >= 0).any(dim=1).tolist()
         assert grad_rows_routed == ([True, True] if expect_shared else [True, False])
@@ -201,7 +207,7 @@ def test_unsupported_model_falls_back_with_one_warning(tokenizer, dataset, tmp_p
                                 share_prompt=True)
     messages = [str(w.message) for w in caught if "share_prompt" in str(w.message)]
     assert len(messages) == 1 and "sliding_attention" in messages[0]
-    assert trainer._share_backend is None
+    assert trainer._share_backend is None and not trainer._packed
     loss, _ = loss_and_grads(trainer, first_batch(trainer))
     assert torch.isfinite(loss) and "shared_pairs" not in trainer.last_prune_stats
 

@@ -3,8 +3,12 @@
 The public names load lazily, so that the command line can reject bad input before importing torch and TRL.
 """
 
+from .notices import hide_import_notices
+
 __all__ = ["PrunedDPOConfig", "PrunedDPOTrainer"]
 __version__ = "0.1.0"
+
+hide_import_notices()  # before TRL imports bitsandbytes (notices.py: one message of one logger)
 
 
 def __getattr__(name):

@@ -1,389 +1,178 @@
-"""`auto` keep probabilities: the trainer picks `branch_keep_prob` / `position_keep_prob` itself.
+"""`auto` keep probabilities from the gradient noise scale (docs/method.md, "auto", Eqs. A1-A2).
 
-The rule: minimise the expected wall-clock to a given loss,
-
-    T(p) ∝ c(p) * (1 + B_simple * (1 + r(p)) / B)                                            (A1)
-
-the critical-batch picture of McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", Eq. 2.7: steps to
-a loss grow like 1 + B_noise / B), with the extra estimator noise of pruning counted as added gradient noise:
-r(p) = Var(pruned - exact) / Var(minibatch) per pair. c(p) is the relative cost of a step (token model below), B the
-pairs per optimizer step, B_simple = tr(Σ) / |G|² the simple noise scale. Pruning pays when B >> B_simple (1 + r):
-then its extra noise is nearly free; when B <~ B_simple it costs steps in proportion.
-
-Among the settings (A1) predicts to cost at most MAX_STEP_INFLATION more steps, the cheapest is chosen; where none
-saves MIN_GAIN, everything is kept. The extra steps, Var(pruned - exact) / (B |G|² + tr Σ) (A2), are read at the
-one-sided UPPER_Z upper bound of a jackknife over the measurement's groups (one measurement is noisy).
-
-Pure functions of numbers, except `AutoKeepProbs` (owned by the trainer): it measures B_simple and r on a few pairs
-of the batch at fixed steps (exact gradients of GROUPS groups and one pruned draw, by `torch.autograd.grad`) and sets
-each draw's probabilities *before* that draw, from past measurements and the batch's tokens only (so the estimators
-stay unbiased). Near-copy pairs keep both branches: their branch gradients cancel in the pair (docs/quality.md).
+Minimise T(p) ∝ c(p) (1 + B_simple (1 + r(p)) / B) over the grids, within MAX_STEP_INFLATION more steps, at one-sided
+UPPER_Z bounds of B_simple = tr Σ / |G|² and r (the extra per-pair variance of pruning over tr Σ); keep everything
+unless MIN_GAIN is saved. Measured from squared gradient norms at two batch sizes at the same parameters (McCandlish
+et al. 2018, App. A.1), no extra forward: |G_small|², each micro-batch's local gradient, summed by parameter hooks in
+the backward training runs anyway (before accumulation and any reduction; FSDP2: its unsharded parameters), and
+|G_big|², the pre-clip norm the engine's `clip_grad_norm_` returns for the accumulated, reduced gradient. Without
+accumulation or a second process: two consecutive steps of one kind, B and 2B (one gradient-sized buffer; the
+parameters move one step in between). r: the same on probe steps at p = 1/2, tr Σ there over tr Σ exact, minus one.
 """
 
-import logging
 import math
-import time
-from dataclasses import dataclass, field
 
 import torch
+from transformers import TrainerCallback
 
-from .config import BRANCH_GRID, POSITION_GRID
-from .method.masks import NEAR_COPY, pair_overlap, per_pair_branch_probs
-from .reference import select_pairs
+from .method.masks import pair_overlap, per_pair_branch_probs
+from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
+    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, Running, choose, extra_noise, head_share, relative_step_cost, steps_factor,
+    trace_and_norm2,
+)
 
-logger = logging.getLogger(__name__)
-
-MEASURE_EVERY = 200  # optimizer steps between measurements (the first is at step 0)
-MEASURE_PAIRS = 32  # pairs of the current batch a measurement uses, at most
-GROUPS = 8  # the measured pairs are split in this many groups (k - 1 degrees of freedom for tr(Σ); the jackknife)
-MIN_GAIN = 0.05  # prune only when (A1) predicts at least this saving: the measurements are noisy
-# and only where (A1) predicts at most 5% more steps to a loss than the exact gradient, at the UPPER_Z bound of the
-# measured noise (B_simple grows as training goes on: docs/quality.md, regimes)
-MAX_STEP_INFLATION = 0.05
-UPPER_Z = 1.28  # one-sided 90% bound on the extra steps (A2), from the jackknife over groups
-EMA = 0.5  # weight of a new measurement in the running estimates
+PROBE_EVERY, MIN_SAMPLES = 16, 2  # blocks between exact / half probes after the warm-up; samples before a decision
 
 
-def head_share(config) -> float:
-    """Share of a token's forward/backward FLOPs in the LM head, from a transformer config (0 if unknown).
-
-    Per token and layer ~ 4 d² (attention projections) + 3 d f (gated MLP); the head is d V. Only the head's work
-    shrinks with position pruning (the trunk still runs every position up to the last kept one)."""
-    try:
-        d, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-        ffn = getattr(config, "intermediate_size", None) or 4 * d
-    except AttributeError:
-        return 0.0
-    head = d * vocab
-    return head / (head + layers * (4 * d * d + 3 * d * ffn))
+def _plus(total, value):
+    return value if total is None else total + value
 
 
-def relative_step_cost(branch_keep_prob: float, branch_half_cost: float, position_keep_prob: float,
-                       head: float) -> float:
-    """c(p): a step's work over the unpruned step's. Branch pruning: the expected work is linear in the keep
-    probability, through `branch_half_cost`, the work of a draw at p = 1/2 over the exact work on the same pairs,
-    *measured* in the plan's token units (forward 1, backward 2, reference forward 1), so it counts whatever the
-    forward shares exactly (common prefix, the prompt executed once per pair) and the near-copies that keep both
-    branches. Position pruning saves the head's share of what is not scored."""
-    branch = 1.0 - 2.0 * (1.0 - branch_keep_prob) * (1.0 - branch_half_cost)
-    return branch * (1.0 - head * (1.0 - position_keep_prob))
+class AutoKeepProbs(TrainerCallback):
+    """Installed by the trainer: measures each step's norms, chooses, and says why (docs/method.md, "auto")."""
 
-
-def extra_noise(r_half: float, keep_prob: float) -> float:
-    """r(p) from r measured at p = 1/2: inverse-probability weighting at keep probability p adds variance in
-    proportion to (1 - p) / p (Eqs. 1, 3), which is 1 at p = 1/2."""
-    return r_half * (1.0 - keep_prob) / keep_prob
-
-
-def steps_factor(b_simple: float, r: float, batch: int) -> float:
-    """1 + B_noise (1 + r) / B: steps to a given loss, relative to infinite batch (McCandlish et al. Eq. 2.7)."""
-    return 1.0 + b_simple * (1.0 + r) / batch
-
-
-def trace_and_norm2(small2: float, big2: float, small: int, big: int) -> tuple[float, float]:
-    """tr(Σ) and |G|² per pair from squared gradient norms at `small` and `big` pairs (McCandlish et al. App. A.1):
-    E|G_b|² = |G|² + tr(Σ) / b, solved at b = small and b = big."""
-    trace = (small2 - big2) / (1.0 / small - 1.0 / big)
-    return trace, (big * big2 - small * small2) / (big - small)
-
-
-def gram_matrix(grads: list[torch.Tensor]) -> list[list[float]]:
-    """g_i · g_j of the groups' exact gradients: all the measurement needs of them (B_simple and the (A2) bound)."""
-    return [[float(a.dot(b)) for b in grads] for a in grads]
-
-
-def extra_steps_bound(gram: list[list[float]], extra: list[float], pairs_per_group: int,
-                      batch: int) -> tuple[float, float]:
-    """(A2) Var(pruned - exact) / (B |G|² + tr Σ) per pair, and its one-sided UPPER_Z upper bound, from k groups of
-    `pairs_per_group` pairs: `gram` the products of their exact gradients, `extra` their n |ĝ_i - g_i|² (one pruned
-    draw each). The denominator is B E|G_B|², the squared norm of a B-pair minibatch gradient (tr Σ from the spread
-    of the groups, McCandlish et al. App. A.1); the bound is a jackknife over the groups (inf when a subsample cannot
-    resolve |G|)."""
-    k, n = len(gram), pairs_per_group
-
-    def share(groups: list[int]) -> float:
-        kk = len(groups)
-        small2 = sum(gram[i][i] for i in groups) / kk  # mean |g_i|², n pairs each
-        big2 = sum(gram[i][j] for i in groups for j in groups) / kk ** 2  # |mean g_i|², kk n pairs
-        trace, norm2 = trace_and_norm2(small2, big2, n, kk * n)
-        denominator = batch * norm2 + trace
-        return sum(extra[i] for i in groups) / kk / denominator if denominator > 0 else math.inf
-
-    point = share(list(range(k)))
-    leave_one_out = [share([i for i in range(k) if i != j]) for j in range(k)]
-    if not (math.isfinite(point) and all(map(math.isfinite, leave_one_out))):
-        return point, math.inf
-    mean = sum(leave_one_out) / k
-    error = math.sqrt((k - 1) / k * sum((x - mean) ** 2 for x in leave_one_out))
-    return point, point + UPPER_Z * error
-
-
-@dataclass
-class Choice:
-    branch_keep_prob: float
-    position_keep_prob: float
-    time_ratio: float  # (A1) at the choice over (A1) unpruned
-    reason: str
-
-
-def choose(b_simple: float, r_branch: float, r_position: float, batch: int, near_copy_fraction: float, head: float,
-           branch_auto: bool, position_auto: bool, branch_half_cost: float = 0.75, r_fixed: float = 0.0,
-           branch_fixed: float = 1.0, position_fixed: float = 1.0) -> Choice:
-    """Minimise (A1) over the grids (a fixed probability where that family is not "auto"), among the settings that
-    (A1) predicts cost at most MAX_STEP_INFLATION more steps than the exact gradient, the noise `r_fixed` of the
-    user's fixed families included (so where that alone is over the limit, "auto" adds nothing): a run keeps its
-    quality at equal steps, and time is saved only where pruning's noise is cheap.
-    Pruning must also win by MIN_GAIN, else the exact setting is kept. Near-copy pairs keep both branches whatever is
-    chosen; their share is in `branch_half_cost` (measured) and scales the branch noise."""
-    branches = BRANCH_GRID if branch_auto else (branch_fixed,)
-    positions = POSITION_GRID if position_auto else (position_fixed,)
-    exact = (1.0 if branch_auto else branch_fixed, 1.0 if position_auto else position_fixed)
-    if not math.isfinite(b_simple):
-        return Choice(*exact, 1.0, "keep everything: on the measured pairs the gradient noise hides the mean gradient "
-                                   "(B_simple too large to resolve, far above the batch)")
-    half_cost = branch_half_cost if branch_auto else 1.0
-
-    def noise(pb, pp):
-        far = 1.0 - near_copy_fraction
-        return r_fixed + (far * extra_noise(r_branch, pb) if branch_auto else 0.0) + \
-            (extra_noise(r_position, pp) if position_auto else 0.0)
-
-    def cost(pb, pp):
-        return relative_step_cost(pb if branch_auto else 1.0, half_cost, pp, head)
-
-    def expected(pb, pp):
-        return cost(pb, pp) * steps_factor(b_simple, noise(pb, pp), batch)
-
-    base = expected(*exact)
-    best, best_value = exact, base
-    for pb in sorted(branches, reverse=True):
-        for pp in sorted(positions, reverse=True):
-            value = expected(pb, pp)
-            inflation = steps_factor(b_simple, noise(pb, pp), batch) / steps_factor(b_simple, 0.0, batch)
-            if value < best_value * (1.0 - 1e-9) and value <= base * (1.0 - MIN_GAIN) and \
-                    inflation <= 1.0 + MAX_STEP_INFLATION:
-                best, best_value = (pb, pp), value
-    work = cost(*best) / cost(*exact)
-    verdict = "prune" if best != exact else \
-        f"keep everything (no setting saves {MIN_GAIN:.0%} within +{MAX_STEP_INFLATION:.0%} steps)"
-    steps = steps_factor(b_simple, noise(*best), batch) / steps_factor(b_simple, 0.0, batch)
-    reason = (f"{verdict}: gradient noise scale B_simple {b_simple:.1f} vs {batch} pairs per step; pruning at 0.5 adds "
-              f"{r_branch:.2f}x (branch) and {r_position:.2f}x (position) the minibatch noise"
-              f"{f', your fixed settings {r_fixed:.2f}x' if r_fixed else ''}; "
-              f"{near_copy_fraction:.0%} near-copy pairs keep both branches; predicted steps x{steps:.2f}, work per "
-              f"step x{work:.2f}, time to a loss x{best_value / base:.2f}")
-    return Choice(best[0], best[1], best_value / base, reason)
-
-
-@dataclass
-class NoiseEstimates:
-    """Running (EMA) estimates, all per pair: |G_small|², |G_big|² at pair counts small/big (McCandlish App. A.1),
-    and the extra variance of one pruned draw (m |Ĝ - G|², per family)."""
-
-    small2: float | None = None
-    big2: float | None = None
-    small: int = 0
-    big: int = 0
-    extra: dict = field(default_factory=dict)
-
-    def update(self, name: str, value: float):
-        old = getattr(self, name) if name in ("small2", "big2") else self.extra.get(name)
-        new = value if old is None else (1 - EMA) * old + EMA * value
-        if name in ("small2", "big2"):
-            setattr(self, name, new)
-        else:
-            self.extra[name] = new
-
-    def trace_sigma(self) -> float:
-        return trace_and_norm2(self.small2, self.big2, self.small, self.big)[0]
-
-    def b_simple(self) -> float:
-        if self.small2 is None:
-            return math.inf
-        trace, g2 = trace_and_norm2(self.small2, self.big2, self.small, self.big)
-        if g2 <= 0 or trace <= 0:  # noise dominates what one batch can resolve: treat as noise-bound
-            return math.inf
-        return trace / g2
-
-    def ratio(self, family: str) -> float:
-        trace = self.trace_sigma() if self.small2 is not None else 0.0
-        if family not in self.extra or trace <= 0:
-            return math.inf
-        return self.extra[family] / trace
-
-
-class AutoKeepProbs:
-    """Owned by the trainer when a keep probability is "auto": measures, chooses, and logs why."""
-
-    def __init__(self, args, model_config, loss):
-        """`loss(model, inputs)`: the package's own training loss (not a subclass's: its bookkeeping must not see the
-        measurement as a step), under the trainer's `_forced_mask_options`."""
-        self.loss = loss
-        self.branch_auto = args.branch_keep_prob == "auto"
-        self.position_auto = args.position_keep_prob == "auto"
-        self.args = args
-        self.head = head_share(model_config)
+    def __init__(self, args, model_config, trainer):
+        self.trainer, self.args, self.head = trainer, args, head_share(model_config)
+        self.families = [f for f, on in (("branch", args.branch_keep_prob == "auto"),
+                                         ("position", args.position_keep_prob == "auto" and self.head >= 2 * MIN_GAIN))
+                         if on]  # a family that cannot save MIN_GAIN is neither probed nor chosen
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
-        self.noise = NoiseEstimates()
-        self.upper_factor: dict[str, float] = {}  # per family: (A2)'s upper bound over its point estimate, last measured
-        self.branch_half_cost = 1.0  # measured work of a branch draw at p = 1/2 over the exact work (relative_step_cost)
-        self.position_head_too_small = False  # then position pruning is neither measured nor chosen
-        self.choice = Choice(1.0, 1.0, 1.0, "before the first measurement: keep everything")
-        self.measure_seconds = 0.0
-        self.measure_tokens = 0  # work of the measurements in the trainer's token units (forward 1, backward 2)
-        self.history: list[dict] = []
-        self._measured_step = -1
+        self.single = args.gradient_accumulation_steps * max(args.world_size, 1) == 1  # the B / 2B path
+        self._hooks, self._hooked, self._size, self._buffer, self._clip, self._stored = [], set(), 0, None, None, None
+        self.load_state_dict(None)
 
-    # ------------------------------------------------------------------------------------------------ measurement
-    def _gradient(self, trainer, model, inputs, options: dict) -> tuple[torch.Tensor, int]:
-        """The flat gradient of the package's loss under `options`, and the work it took (token units)."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        trainer._forced_mask_options = options
-        try:
-            loss = self.loss(model, inputs)
-        finally:
-            trainer._forced_mask_options = None
-        stats = trainer.last_prune_stats
-        work = stats.get("policy_tokens_executed", 0) + 2 * stats.get("grad_tokens_executed", 0) \
-            + stats.get("reference_tokens_executed", 0)
-        self.measure_tokens += work
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        # float32: a measurement holds GROUPS of these (4 bytes per trainable parameter each); the rounding of their
-        # products is far below the sampling noise the measurement estimates
-        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().float() for g, p in
-                          zip(grads, params)])
-        return flat, work
+    def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume
+        return self._fold() or {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history}
 
-    def _fixed_families_prune(self, base_options: dict) -> bool:
-        return (not self.branch_auto and float(base_options["branch_keep_prob"]) < 1.0) or \
-            (not self.position_auto and float(base_options["position_keep_prob"]) < 1.0) or \
-            base_options["prefix_prune_prob"] > 0.0
+    def load_state_dict(self, state):
+        state, self._pending, self._small, self._dot, self._pairs, self._work = state or {}, None, None, None, 0, 0
+        self.stats, self._first, self.history = Running(state.get("sums")), None, list(state.get("history", []))
+        self.choice = tuple(state.get("choice", (1.0, 1.0, 1.0, "before the first decision: keep everything")))
 
-    def measure(self, trainer, model, inputs, base_options: dict, generator: torch.Generator):
-        """Exact gradients on GROUPS disjoint groups of up to MEASURE_PAIRS pairs (B_simple), and on the same pairs
-        one pruned draw per "auto" family at p = 1/2 (its r, and for branches its work), plus one draw at the user's
-        fixed probabilities when those prune (their r, counted by every choice). Trainer metrics and counters are
-        restored afterwards."""
-        started = time.perf_counter()
-        pairs = inputs["input_ids"].size(0) // 2
-        groups = min(GROUPS, pairs)
-        m = min(MEASURE_PAIRS, pairs) // groups * groups
-        if groups < 2:
-            return
-        metrics = {k: len(v) for k, v in trainer._metrics["train"].items()}
-        stats, masks = dict(trainer.last_prune_stats), getattr(trainer, "_last_masks", None)
-        exact = {**base_options, "position_keep_prob": 1.0, "prefix_prune_prob": 0.0, "branch_keep_prob": 1.0,
-                 "generator": generator}
-        index = torch.randperm(pairs, generator=generator)[:m]
-        chunks = [select_pairs(inputs, chunk, pairs) for chunk in index.chunk(groups)]
-        per_group = [self._gradient(trainer, model, chunk, exact) for chunk in chunks]
-        exact_grads = [grad for grad, _ in per_group]
-        exact_work = sum(work for _, work in per_group)
-        gram = gram_matrix(exact_grads)
-        # McCandlish et al. App. A.1 with small = m / k pairs (the mean over groups) and big = m pairs.
-        n = m // groups
-        self.noise.small, self.noise.big = n, m
-        self.noise.update("small2", sum(gram[i][i] for i in range(groups)) / groups)  # mean |g_i|²
-        self.noise.update("big2", sum(map(sum, gram)) / groups ** 2)  # |mean g_i|²
+    def kind(self, step: int) -> str:
+        """"exact", a family's probe or "choice": a function of the step and the (rank-identical, saved) choice."""
+        block, cycle = step // (2 if self.single else 1), [x for f in self.families for x in ("exact", f)]
+        if cycle and block < 2 * len(cycle):  # the warm-up
+            return cycle[block % len(cycle)]
+        if cycle and block % (PROBE_EVERY // 2) == 0:
+            return "exact" if block % PROBE_EVERY == 0 else self.families[block // PROBE_EVERY % len(self.families)]
+        return "exact" if cycle and self.choice[:2] == (1.0, 1.0) else "choice"
 
-        def draw(family: str, options, scale: float = 1.0):
-            """One draw over the m pairs, run in the same groups as the exact gradients (per-pair masks: the same law
-            as one draw over all m; the same packing, so its work compares with `exact_work`): the family's extra
-            variance per pair (over `scale`), its (A2) bound, and the draw's work."""
-            extra, work = [], 0
-            for chunk, exact_grad in zip(chunks, exact_grads):
-                pruned, chunk_work = self._gradient(trainer, model, chunk, {**exact, **options(chunk)})
-                extra.append(n * float((pruned - exact_grad).pow(2).sum()) / scale)
-                work += chunk_work
-            self.noise.update(family, sum(extra) / groups)
-            point, upper = extra_steps_bound(gram, extra, n, self.batch)
-            self.upper_factor[family] = upper / point if point > 0 else 1.0
-            return work
-
-        both = select_pairs(inputs, index, pairs)
-        # A family that cannot save MIN_GAIN is not measured: all near-copies (no branch is ever frozen), or an LM head
-        # too small a share of the work for position pruning to matter; it is then kept at 1 with no extra noise.
-        overlap = pair_overlap(both["input_ids"], both["completion_mask"])
-        far = float((overlap < NEAR_COPY).double().mean())
-        if self.branch_auto and far > 0:
-            # per pair of the pairs that are pruned (near-copies add no extra noise)
-            work = draw("branch", lambda chunk: {"branch_keep_prob": per_pair_branch_probs(
-                pair_overlap(chunk["input_ids"], chunk["completion_mask"]), 0.5)}, scale=far)
-            self.branch_half_cost = work / max(exact_work, 1)
-        elif self.branch_auto:
-            self.noise.update("branch", 0.0)
-            self.branch_half_cost = 1.0
-        if self.position_auto and self.head * (1.0 - min(POSITION_GRID)) >= MIN_GAIN:
-            draw("position", lambda chunk: {"position_keep_prob": 0.5})
-        elif self.position_auto:
-            self.noise.update("position", 0.0)
-            self.position_head_too_small = True
-        if self._fixed_families_prune(base_options):
-            fixed = {**base_options, "generator": generator}
-            for name in ("branch", "position"):
-                if getattr(self, f"{name}_auto"):
-                    fixed[f"{name}_keep_prob"] = 1.0
-            # one draw over all m pairs: a prefix cut is one per micro-batch, and its noise depends on the batch's size
-            pruned, _ = self._gradient(trainer, model, both, fixed)
-            pruned -= sum(exact_grads) / groups
-            self.noise.update("fixed", m * float(pruned.pow(2).sum()))
-        for k, v in trainer._metrics["train"].items():
-            del v[metrics.get(k, 0):]
-        trainer.last_prune_stats, trainer._last_masks = stats, masks
-        self.measure_seconds += time.perf_counter() - started
-
-    # ----------------------------------------------------------------------------------------------------- choice
-    def options(self, trainer, model, inputs, base_options: dict, step: int, micro_step: int, generator) -> dict:
-        """`base_options` with every "auto" probability replaced: per-pair branch probabilities, a float position
-        probability. Measures first when this step is due (micro-step 0 of steps 0, MEASURE_EVERY, ...)."""
-        if micro_step == 0 and step % MEASURE_EVERY == 0 and step != self._measured_step:
-            self._measured_step = step
-            self.measure(trainer, model, inputs, base_options, generator)
-            self._decide(inputs, step)
-        overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"])
-        options = dict(base_options)
-        if self.branch_auto:
-            options["branch_keep_prob"] = per_pair_branch_probs(overlap, self.choice.branch_keep_prob)
-        if self.position_auto:
-            options["position_keep_prob"] = self.choice.position_keep_prob
-        branch = options["branch_keep_prob"]
-        trainer._metrics["train"]["prune/branch_keep_prob"].append(
-            float(branch.mean()) if torch.is_tensor(branch) else float(branch))
-        trainer._metrics["train"]["prune/position_keep_prob"].append(float(options["position_keep_prob"]))
-        trainer._metrics["train"]["prune/auto_b_simple"].append(min(self.noise.b_simple(), 1e9))
+    def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
+        """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
+        at micro-step 0 it first decides from what earlier steps measured."""
+        if micro_step == 0:
+            self._decide(step)
+        branch, position = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}.get(self.kind(step),
+                                                                                           self.choice[:2])
+        self._pairs, options = self._pairs + inputs["input_ids"].size(0) // 2, dict(base_options)
+        if self.args.branch_keep_prob == "auto":
+            overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"])
+            options["branch_keep_prob"] = per_pair_branch_probs(overlap, float(branch))
+        if self.args.position_keep_prob == "auto":
+            options["position_keep_prob"] = float(position)
+        logged = trainer._metrics["train"]
+        logged["prune/branch_keep_prob"].append(float(torch.as_tensor(options["branch_keep_prob"]).float().mean()))
+        logged["prune/position_keep_prob"].append(float(options["position_keep_prob"]))
+        logged["prune/auto_b_simple"].append(min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
         return options
 
-    def _decide(self, inputs, step: int):
-        overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"])
-        near = float((overlap >= NEAR_COPY).double().mean())
-        b_simple = self.noise.b_simple()
-        points = {family: self.noise.ratio(family) if getattr(self, f"{family}_auto") else 0.0
-                  for family in ("branch", "position")}
-        # the choice reads each ratio at its (A2) upper bound: r scales (A2) linearly at a given B_simple
-        bounds = {family: r * self.upper_factor.get(family, 1.0) if r > 0 else r for family, r in points.items()}
-        r_branch, r_position = bounds["branch"], bounds["position"]
-        r_fixed = self.noise.ratio("fixed") if "fixed" in self.noise.extra else 0.0
-        if not (math.isfinite(r_branch) and math.isfinite(r_position) and math.isfinite(r_fixed)):
-            b_simple = math.inf
-        fixed_b = 1.0 if self.branch_auto else float(self.args.branch_keep_prob)
-        fixed_p = 1.0 if self.position_auto else float(self.args.position_keep_prob)
-        position_auto = self.position_auto and not self.position_head_too_small
-        self.choice = choose(b_simple, r_branch, r_position, self.batch, near, self.head, self.branch_auto,
-                             position_auto, self.branch_half_cost, r_fixed, fixed_b, fixed_p)
-        if self.position_auto and not position_auto:
-            self.choice.reason += (f"; position kept at 1, not measured: the LM head is {self.head:.0%} of the work, "
-                                   f"too little for position pruning to save {MIN_GAIN:.0%}")
-        if any(r > 0 for r in points.values()):
-            self.choice.reason += (f"; the noise ratios are {1 - 0.5 * math.erfc(UPPER_Z / math.sqrt(2.0)):.0%} upper bounds from {GROUPS} groups "
-                                   f"(point estimates: branch {points['branch']:.2f}, position "
-                                   f"{points['position']:.2f})")
-        record = {"step": step, "b_simple": b_simple, "r_branch": r_branch, "r_position": r_position,
-                  "r_branch_point": points["branch"], "r_position_point": points["position"],
-                  "r_fixed": r_fixed, "branch_half_cost": self.branch_half_cost, "near_copy_fraction": near,
-                  "branch_keep_prob": self.choice.branch_keep_prob,
-                  "position_keep_prob": self.choice.position_keep_prob, "time_ratio": self.choice.time_ratio,
-                  "reason": self.choice.reason, "measure_seconds": self.measure_seconds,
-                  "measure_tokens": self.measure_tokens}
-        self.history.append(record)
-        logger.info(f"auto keep probabilities at step {step}: branch {self.choice.branch_keep_prob} (near-copies 1.0), "
-                    f"position {self.choice.position_keep_prob}. Why: {self.choice.reason}.")
+    def on_train_begin(self, args, state, control, **kwargs):
+        model = self.trainer.model
+        self._hook(p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh"))
+        if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):  # FSDP2: hook its unsharded parameters, which
+            self._hooks.append(model.register_forward_hook(lambda *_: self._hook(  # exist from the first forward on
+                fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", [])
+                if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad)))
+        accelerator, clip = self.trainer.accelerator, self.trainer.accelerator.clip_grad_norm_
+        accelerator.clip_grad_norm_ = lambda *a, **k: setattr(self, "_clip", clip(*a, **k)) or self._clip
+        self._restore = lambda: setattr(accelerator, "clip_grad_norm_", clip)  # pre-clip, reduced, accumulated
+
+    def _hook(self, params):
+        for p in params:
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._hooks.append(p.register_hook(lambda g, o=self._size: self._on_grad(g, o)))
+                self._size += p.numel()
+
+    def _on_grad(self, grad, offset):
+        """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
+        grad, step = grad.detach(), self.trainer.state.global_step  # (no copy of the gradient, whatever its layout)
+        self._small = _plus(self._small, torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        if self.single and self.kind(step) != "choice":  # the first step of a pair keeps its gradient for the second
+            if self._buffer is None:
+                self._buffer = torch.empty(self._size, dtype=grad.dtype, device=grad.device)
+            part = self._buffer[offset:offset + grad.numel()].view(grad.shape)
+            if step % 2 == 0:
+                part.copy_(grad)
+            elif self._stored == step - 1:
+                self._dot = _plus(self._dot, torch.tensordot(grad.float(), part.float(), grad.dim()))
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units (fwd 1, bwd 2, reference 1)
+        self._work += stats.get("policy_tokens_executed", 0) + 2 * stats.get("grad_tokens_executed", 0) + \
+            stats.get("reference_tokens_executed", 0)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """One all-reduce of four scalars on every rank, every step; read (synced) at the next decision."""
+        self.on_substep_end(args, state, control)
+        trainer = self.trainer
+        accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
+        device = trainer.accelerator.device
+        local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
+                             for x in (self._small, self._pairs, self._work, self._dot)])  # no sync here
+        local[0] *= accumulation ** 2
+        clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
+        self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
+                         accumulation * trainer.accelerator.num_processes, clip)
+        self._stored = state.global_step if self.single and self.kind(state.global_step) != "choice" else None
+        self._small, self._dot, self._clip, self._pairs, self._work = None, None, None, 0, 0
+
+    def on_train_end(self, args, state, control, **kwargs):
+        [handle.remove() for handle in self._hooks]
+        self._hooks, self._hooked, self._size, self._buffer = self._restore() or [], set(), 0, None
+
+    def _fold(self):
+        """The last step's norms into the running sums: per-step estimates of tr Σ (per kind) and |G|² (exact)."""
+        if self._pending is None:
+            return
+        (step, totals, micro, clip), self._pending = self._pending, None
+        (small2, pairs, work, dot), kind, sizes = totals.tolist(), self.kind(step), None
+        if kind == "choice":
+            return
+        self.stats.add(f"work_{kind}", work / max(pairs, 1))
+        if not self.single and clip is not None:
+            sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
+        elif self.single and step % 2 == 0:
+            self._first = [small2, step]
+        elif self.single and self._first is not None and self._first[1] == step - 1:  # B and 2B pairs
+            first, self._first = self._first[0], None
+            sizes = (first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs
+        if sizes:
+            trace, norm2 = trace_and_norm2(*sizes)
+            self.stats.add(f"trace_{kind}", trace)
+            if kind == "exact":
+                self.stats.add("norm2", norm2)
+
+    def _decide(self, step: int):
+        """Choose (A1) at the UPPER_Z bounds: B_simple's from tr Σ above and |G|² below; r from the family's tr Σ
+        above over the exact tr Σ below (each bound one-sided at UPPER_Z: jointly more conservative than 90%)."""
+        self._fold()
+        s, counts = self.stats, [self.stats.count(f"trace_{k}") for k in ["exact", *self.families]]
+        if min(counts) < MIN_SAMPLES - 0.1:  # decayed counts: 2 samples count 1.9995
+            return
+        g2_low, trace_up = s.mean("norm2", -UPPER_Z), s.mean("trace_exact", UPPER_Z)
+        b_up = trace_up / g2_low if g2_low > 0 and trace_up > 0 else math.inf
+        low = s.mean("trace_exact", -UPPER_Z)  # r unresolved (inf) while the exact tr Σ may still be 0
+        r = {f: max(s.mean(f"trace_{f}", UPPER_Z) / low - 1, 0.0) if low > 0 else math.inf for f in self.families}
+        b_up = b_up if all(map(math.isfinite, r.values())) else math.inf
+        half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
+        choice = choose(b_up, r.get("branch", 0.0), r.get("position", 0.0), self.batch, self.head,
+                        "branch" in self.families, "position" in self.families, half)
+        if not self.history or choice[:2] != self.choice[:2] or step % 10 == 0:
+            point = s.mean("trace_exact") / s.mean("norm2") if s.mean("norm2") > 0 else math.inf
+            self.history.append({"step": step, "b_simple": point, "b_simple_upper": b_up, "r_branch": r.get("branch"),
+                                 "r_position": r.get("position"), "branch_half_cost": half,
+                                 "branch_keep_prob": choice[0], "position_keep_prob": choice[1], "reason": choice[3]})
+        self.choice = choice

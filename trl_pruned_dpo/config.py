@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from trl import DPOConfig
 
+from .notices import checkpointing_names_quiet
+
 BRANCH_SAMPLINGS = ("paired", "independent")
 
 # Every TRL 1.16 loss is a function of per-branch sums of per-token log-probs (or, for `sft`, of their mean), so each
@@ -65,12 +67,12 @@ class PrunedDPOConfig(DPOConfig):
             [ceil(prefix_min_ratio * L), L]. In (0, 1].
         branch_keep_prob (`float`, *optional*, defaults to `1.0`):
             Probability that a branch (chosen or rejected) is backpropagated (branch pruning). The others run under
-            `torch.no_grad()`. In (0, 1], or `"auto"`: the trainer measures the gradient noise scale, each
-            family's extra noise and the work a draw saves, on up to 32 pairs at step 0 and every 200 steps, and picks
-            the probabilities that minimise the expected time to a given loss among those predicted to cost at most
-            5% more steps at a 90% upper bound of the measured noise (trl_pruned_dpo/auto.py); where none saves 5%,
-            it keeps everything. Near-copy pairs always keep both branches. Its choice is logged as
-            `prune/branch_keep_prob` and `prune/position_keep_prob`, and its reason at INFO level.
+            `torch.no_grad()`. In (0, 1], or `"auto"`: the trainer measures the gradient noise scale and each
+            family's extra noise from the gradient norms of the training steps themselves (running estimates over
+            steps, with probe steps at 1/2; first decision by step 8), and picks the probabilities that minimise the
+            expected time to a given loss among those predicted to cost at most 5% more steps at 90% upper bounds
+            of the measured noise (trl_pruned_dpo/auto.py); where none saves 5%, it keeps everything. Near-copy pairs
+            always keep both branches. Logged as `prune/branch_keep_prob` and `prune/position_keep_prob`.
         branch_sampling (`str`, *optional*, defaults to `"paired"`):
             `"paired"`: the two branches of a pair are drawn together (at 0.5, exactly one per pair; fixed cost).
             `"independent"`: each branch is drawn on its own (the cost varies per step). On near-copy pairs
@@ -96,9 +98,14 @@ class PrunedDPOConfig(DPOConfig):
             micro-step, process rank) only; they never draw from the global RNG.
         allow_pruning_change_on_resume (`bool`, *optional*, defaults to `False`):
             Checkpoints store the pruning fields above; resuming with other values is refused unless this is set.
-        stop_on_divergence (`bool`, *optional*, defaults to `True`):
-            Stop training when a step's loss or gradient norm is non-finite or explodes, without checkpointing that
-            step, naming the last complete checkpoint (trl_pruned_dpo/safety/guards.py).
+        stop_on_divergence (`bool`, *optional*):
+            Stop training when a step's loss or gradient norm is non-finite, without checkpointing that step, naming
+            the last complete checkpoint (trl_pruned_dpo/safety/guards.py). Unset: on when the pruned forward is used,
+            off with every pruning off (stock trains on).
+        divergence_factor (`float`, *optional*):
+            Also stop when a step's |loss| or gradient norm is this many times the median of the steps before it. Off
+            by default: a saturating DPO loss (median |loss| ~1e-4) meets one ordinary hard batch (loss ~0.7) as a
+            7000x "explosion", so any finite threshold can stop a healthy run. Needs the guard on.
     """
 
     position_keep_prob: keep_prob_or_auto = field(
@@ -156,10 +163,16 @@ class PrunedDPOConfig(DPOConfig):
         metadata={"help": "Resume even if the checkpoint was trained with other pruning settings (prune_seed, keep "
                   "probabilities, sampling); the resumed run then draws other masks than the interrupted one."},
     )
-    stop_on_divergence: bool = field(
-        default=True,
+    stop_on_divergence: bool | None = field(
+        default=None,
         metadata={"help": "Stop training, without checkpointing the bad step, when a step's loss or gradient norm is "
-                  "non-finite or 1000x the median of the steps before it."},
+                  "non-finite. Unset: on when pruning is on, off when it is off (as stock)."},
+    )
+    divergence_factor: float | None = field(
+        default=None,
+        metadata={"help": "Also stop when a step's |loss| or grad norm is this many times the median of the steps "
+                  "before it (off by default: a saturating loss, median ~1e-4, meets an ordinary hard batch as a "
+                  "false 'explosion')."},
     )
 
     @property
@@ -180,9 +193,12 @@ class PrunedDPOConfig(DPOConfig):
 
     def __post_init__(self):
         self._default_bf16_to_hardware()
-        super().__post_init__()
+        with checkpointing_names_quiet():  # DPOConfig's own default sets the deprecated name (notices.py)
+            super().__post_init__()
         self._validate_pruning()
         self._validate_prune_seed()
+        if self.divergence_factor is not None and not self.divergence_factor > 1:
+            raise ValueError(f"`divergence_factor` must be above 1 (or unset), got {self.divergence_factor}.")
         if self.prune_seed is None:
             self.prune_seed = self.seed
 
@@ -262,8 +278,8 @@ def uses_pruned_forward(args) -> bool:
     collator and the signature columns are stock's (exact parity by construction, docs/parity.md).
 
     True when any estimator is on (`pruning_enabled`, which includes `prune_common_prefix`) or when an exact plugin
-    feature needs the plugin's forward (`share_prompt`).
+    feature needs the plugin's forward (`share_prompt`, `padding_free`).
     """
     if not isinstance(args, PrunedDPOConfig):
         return False
-    return args.pruning_enabled or args.share_prompt
+    return args.pruning_enabled or args.share_prompt or args.padding_free

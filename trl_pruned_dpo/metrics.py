@@ -2,66 +2,88 @@
 
 Stock-named metrics stay only where their expectation over the masks is stock's value: the per-branch sums (logps,
 rewards, margins) and the per-token means (entropy, logits, token accuracy) are Horvitz-Thompson sums over exact counts
-(docs/method.md, Eqs. 1-2). The others move to `prune/` names that say what they are (docs/parity.md).
+(docs/method.md, Eqs. 1-2). The others move to `prune/` names that say what they are (docs/parity.md). The MoE router
+loss keeps its stock name, `aux_loss`: it is the aux loss this run adds to its loss (the grad rows' own), as `loss` is
+the loss at the estimate.
+
+No device->host read per micro-step: each micro-step's counts stay on the device, and the metric lists hold a
+`Pending` entry for each value derived from them. `flush` resolves every pending entry with one gather and one read,
+when TRL logs (`PrunedDPOTrainer.log`) or a checkpoint saves the logging window: the plugin's metrics ride on the
+logging step. Outside `train()` (a direct `compute_loss` call) they are resolved at once.
 """
 
 import torch
 
 from .config import AUTO
 
+_COUNTS = ("positions_scored", "response_positions", "policy_tokens_executed", "grad_tokens_executed", "full_tokens",
+           "grad_rows", "rows")
+# Index of each value in a micro-step's counts vector
+SCORED, RESPONSE, EXECUTED, GRAD_TOKENS, FULL, GRAD_ROWS, ROWS, TOP1, CHOSEN = range(9)
+ENTROPY, EXACT, LOGITS_W, COUNT_W, LOGITS_L, COUNT_L = range(9, 15)  # with `prune_common_prefix` only
 
-def log_pruned_metrics(trainer, per_token: dict):
-    """The `prune/` fractions, and TRL's token accuracy re-estimated from the scored positions only.
 
-    One gather (the step's one sync). With `prune_common_prefix`, returns the summed (chosen top-1 estimate, entropy,
-    exact positions, chosen logits, chosen exact positions, rejected logits, rejected exact positions) for
-    `relabel_stock_metrics`; else None."""
+class Pending:
+    """A metric value not read from the device yet: `formula` of the gathered counts of micro-step `row`."""
+
+    __slots__ = ("row", "formula")
+
+    def __init__(self, row: int, formula):
+        self.row, self.formula = row, formula
+
+    def __repr__(self):
+        return f"Pending(row={self.row})"
+
+
+def _ratio(num: int, den: int, floor: float = 1.0):
+    return lambda t: t[num] / max(t[den], floor)
+
+
+def _ratio_or_zero(num: int, den: int):
+    return lambda t: t[num] / t[den] if t[den] > 0 else 0.0
+
+
+def log_pruned_metrics(trainer, per_token: dict) -> int:
+    """Record this micro-step's counts on the device and append the `prune/` fractions (and TRL's token accuracy
+    re-estimated from the scored positions) as pending entries. Returns the counts' row for `relabel_stock_metrics`."""
     masks, stats, args = trainer._last_masks, trainer.last_prune_stats, trainer.args
     chosen_weights = masks.weights.chunk(2)[0]
     chosen_top1 = per_token["is_top1"].chunk(2)[0].float()
-    counts = torch.tensor(
-        [
-            stats["positions_scored"],
-            stats["response_positions"],
-            stats["policy_tokens_executed"],
-            stats["grad_tokens_executed"],
-            stats["full_tokens"],
-            stats["grad_rows"],
-            stats["rows"],
-            stats["chosen_response_positions"],
-        ],
-        dtype=torch.float64,
-    ).to(trainer.accelerator.device, non_blocking=True)
-    top1_estimate = (chosen_top1 * chosen_weights).sum().double().reshape(1)
-    counts = torch.cat([counts[:-1], top1_estimate, counts[-1:]])  # device values: the one sync is below
-    if args.prune_common_prefix:  # the sums `relabel_stock_metrics` needs ride on the same gather
+    device = trainer.accelerator.device
+    host = torch.tensor([stats[name] for name in _COUNTS] + [0.0, stats["chosen_response_positions"]],
+                        dtype=torch.float64)
+    top1 = (chosen_top1 * chosen_weights).sum().double().reshape(1)
+    counts = host.to(device, non_blocking=True)
+    counts = torch.cat([counts[:TOP1], top1.to(device), counts[CHOSEN:]])
+    if args.prune_common_prefix:  # the sums `relabel_stock_metrics` needs ride along
         exact_w, exact_l = masks.exact.chunk(2)
         mean_logits_w, mean_logits_l = per_token["mean_logits"].chunk(2)
         counts = torch.cat([counts, torch.stack([
             per_token["entropy"].sum(), masks.exact.sum(),
             mean_logits_w.sum(), exact_w.sum(), mean_logits_l.sum(), exact_l.sum(),
-        ]).double()])
-    totals = trainer.accelerator.gather(counts.unsqueeze(0)).sum(dim=0).tolist()
-    (scored, response, executed, grad_tokens, full, grad_rows, rows, top1, chosen_tokens) = totals[:9]
+        ]).double().to(device)])
+    pending = trainer.__dict__.setdefault("_pending_counts", [])
+    pending.append(counts)
+    row = len(pending) - 1
     metrics = trainer._metrics["train"]
     if metrics["mean_token_accuracy"]:  # TRL counted only scored positions as correct; use the HT estimate
-        metrics["mean_token_accuracy"][-1] = top1 / chosen_tokens if chosen_tokens > 0 else 0.0
-    metrics["prune/positions_scored"].append(scored / max(response, 1))
-    metrics["prune/tokens_executed"].append(executed / max(full, 1))
-    metrics["prune/tokens_backpropagated"].append(grad_tokens / max(full, 1))
-    metrics["prune/branches_backpropagated"].append(grad_rows / max(rows, 1))
-    if trainer._share_backend is not None:  # which execution the cost model picked (docs/method.md)
+        metrics["mean_token_accuracy"][-1] = Pending(row, _ratio_or_zero(TOP1, CHOSEN))
+    metrics["prune/positions_scored"].append(Pending(row, _ratio(SCORED, RESPONSE)))
+    metrics["prune/tokens_executed"].append(Pending(row, _ratio(EXECUTED, FULL)))
+    metrics["prune/tokens_backpropagated"].append(Pending(row, _ratio(GRAD_TOKENS, FULL)))
+    metrics["prune/branches_backpropagated"].append(Pending(row, _ratio(GRAD_ROWS, ROWS)))
+    if trainer._share_backend is not None:  # which execution the cost model picked (docs/method.md); host counts
         shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
         metrics["prune/pairs_shared"].append(shared / max(shared + split, 1))
-    return (top1, *totals[9:]) if args.prune_common_prefix else None
+    return row
 
 
-def relabel_stock_metrics(trainer, common_prefix_totals) -> None:
-    """Move this step's stock-named metrics that do not estimate what stock logs to names that say what they are.
+def relabel_stock_metrics(trainer, row: int) -> None:
+    """Move this step's stock-named metrics that do not estimate what stock logs to names that say what they are, then
+    resolve the pending values unless `train()` defers them to the logging step.
 
     Moved, because no unbiased value exists (docs/parity.md):
     - `rewards/accuracies` under random position/prefix pruning: a step function of the noisy margin;
-    - `aux_loss` with pruning on: the router loss of the grad rows' executed columns only;
     - under `prune_common_prefix`, every per-branch and per-token metric: the common prefix is never scored, so they
       cover the response after it (token means re-estimated over those positions).
     """
@@ -73,17 +95,38 @@ def relabel_stock_metrics(trainer, common_prefix_totals) -> None:
             del metrics[name]  # TRL's `log` averages every key: no empty list may stay behind
         metrics[new or f"prune/{name}"].append(old if value is None else value)
 
-    if trainer.aux_loss_enabled and args.pruning_enabled:
-        move("aux_loss", new="prune/aux_loss_grad_rows")
     if args.position_keep_prob == AUTO or args.position_keep_prob < 1 or args.prefix_prune_prob > 0:
         move("rewards/accuracies", new="prune/rewards/accuracies_of_estimate")
-    if not args.prune_common_prefix:
+    if args.prune_common_prefix:
+        suffix = "_after_common_prefix"
+        move("entropy", Pending(row, _ratio_or_zero(ENTROPY, EXACT)), "prune/entropy" + suffix)
+        move("logits/chosen", Pending(row, _ratio_or_zero(LOGITS_W, COUNT_W)), "prune/logits/chosen" + suffix)
+        move("logits/rejected", Pending(row, _ratio_or_zero(LOGITS_L, COUNT_L)), "prune/logits/rejected" + suffix)
+        move("mean_token_accuracy", Pending(row, _ratio_or_zero(TOP1, COUNT_W)), "prune/mean_token_accuracy" + suffix)
+        for name in ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
+            move(name, new=f"prune/{name}{suffix}")
+    if not getattr(trainer, "_defer_metrics", False):
+        flush(trainer)
+
+
+def flush(trainer) -> None:
+    """Resolve every pending metric value: one gather of the stacked counts of the micro-steps since the last flush
+    (the same number on every process), one device->host read. A collective: every process calls it together."""
+    pending = trainer.__dict__.get("_pending_counts")
+    if not pending:
         return
-    top1_w, entropy, exact, logits_w, count_w, logits_l, count_l = common_prefix_totals
-    suffix = "_after_common_prefix"
-    move("entropy", entropy / exact if exact else 0.0, "prune/entropy" + suffix)
-    move("logits/chosen", logits_w / count_w if count_w else 0.0, "prune/logits/chosen" + suffix)
-    move("logits/rejected", logits_l / count_l if count_l else 0.0, "prune/logits/rejected" + suffix)
-    move("mean_token_accuracy", top1_w / count_w if count_w else 0.0, "prune/mean_token_accuracy" + suffix)
-    for name in ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
-        move(name, new=f"prune/{name}{suffix}")
+    width = max(c.numel() for c in pending)
+    stacked = torch.stack([torch.nn.functional.pad(c, (0, width - c.numel())) for c in pending])
+    totals = trainer.accelerator.gather(stacked.unsqueeze(0)).sum(dim=0).tolist()
+    pending.clear()
+    for values in trainer._metrics["train"].values():
+        for i, value in enumerate(values):
+            if isinstance(value, Pending):
+                values[i] = value.formula(totals[value.row])
+
+
+def discard_pending(trainer) -> None:
+    """Forget unresolved values (a `train()` that raised left them): each new `train()` starts clean."""
+    trainer.__dict__["_pending_counts"] = []
+    for values in trainer._metrics["train"].values():
+        values[:] = [v for v in values if not isinstance(v, Pending)]

@@ -116,7 +116,8 @@ def precompute_per_token(trainer, dataset: Dataset, batch_size: int) -> Dataset:
         model = trainer.ref_model or trainer.model
     loader = accelerator.prepare(DataLoader(
         dataset, batch_size=batch_size, collate_fn=trainer.data_collator, shuffle=False,
-        num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+        num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory and torch.accelerator.is_available(),  # else a no-op that warns
     ))
     sums, values, lengths = ({"chosen": [], "rejected": []} for _ in range(3))
     for batch in loader:

@@ -5,10 +5,21 @@ fused LM head still honours the switch that makes it score only the labelled pos
 a tiny forward once and counts the rows that actually reach the head's matrix product); the replay seam into TRL's
 `_compute_loss` (`Replay`) and the Trainer's logging window (`logging_window`) are pinned by tests
 (tests/test_dropin.py::test_replay_seam_assumptions, tests/test_failures.py resume tests).
+
+Each private, and what pins it (a test that fails when the assumption breaks, not a `hasattr`):
+- TRL's `_compute_loss` reads the reference sums from the batch when `precompute_ref_logps` is set (`trl_loss`):
+  test_replay_seam_assumptions makes the reference model's forward fail;
+- transformers' `_tr_loss` / `_globalstep_last_logged` and TRL's `_metrics` (`logging_window`), read directly:
+  the resume tests require the logged figures after a resume to equal the uninterrupted run's;
+- `Trainer._maybe_log_save_evaluate(tr_loss, grad_norm, ...)` called positionally: checked at import, and
+  tests/test_failures.py::test_guard_reads_the_step_gradient_norm (a NaN gradient norm must stop the run);
+- TRL's `_use_triton` switch of the fused head (`compact_lm_head`): `check_compact_lm_head`, once per process.
+The tokenizer comes from the public `processing_class` (a processor's `.tokenizer`), never TRL's `_tokenizer`.
 """
 
 import contextlib
 import dataclasses
+import inspect
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -37,6 +48,14 @@ try:
 except (ImportError, AttributeError) as error:  # pragma: no cover - only on an untested TRL
     raise ImportError(f"trl-pruned-dpo: a TRL internal it relies on has moved ({error}); pin trl to 1.16.x.") from error
 
+# The trainer overrides `_maybe_log_save_evaluate(tr_loss, grad_norm, *rest)` and reads the step's gradient norm from
+# its second positional argument (transformers calls it positionally). Pinned by behaviour in
+# tests/test_failures.py::test_guard_reads_the_step_gradient_norm (an injected NaN gradient norm must stop the run).
+_STEP_END_PARAMETERS = tuple(inspect.signature(DPOTrainer._maybe_log_save_evaluate).parameters)[1:3]
+if _STEP_END_PARAMETERS != ("tr_loss", "grad_norm"):  # pragma: no cover - only on an untested transformers
+    raise ImportError(f"trl-pruned-dpo: Trainer._maybe_log_save_evaluate takes {_STEP_END_PARAMETERS} first, not "
+                      "(tr_loss, grad_norm); pin transformers to a tested version.")
+
 __all__ = [
     "DPOConfig",
     "DPOTrainer",
@@ -48,6 +67,8 @@ __all__ = [
     "no_grad_block",
     "reference_context",
     "restore_logging_window",
+    "trl_loss",
+    "without_tied_keys",
 ]
 
 
@@ -82,6 +103,19 @@ def as_pruned_config(model, args, config_class):
     return promoted
 
 
+def trl_loss(trainer, model, batch: dict):
+    """TRL's private `_compute_loss` with the reference read from the batch: TRL gates its reference forward on
+    `trainer.precompute_ref_logps` (reading `ref_chosen_logps`/`ref_rejected_logps` from the batch when set), so the
+    flag is set for this call only. Pinned by tests/test_dropin.py::test_replay_seam_assumptions (the reference model
+    must never be called inside it)."""
+    precompute = trainer.precompute_ref_logps
+    trainer.precompute_ref_logps = True
+    try:
+        return trainer._compute_loss(model, batch, return_outputs=False)
+    finally:
+        trainer.precompute_ref_logps = precompute
+
+
 def no_grad_block(model, gradient_checkpointing_kwargs) -> contextlib.ExitStack:
     """No grad and no gradient checkpointing (nothing to recompute); nested blocks do not toggle it again."""
     stack = contextlib.ExitStack()
@@ -101,11 +135,13 @@ def reference_context(model, unwrapped, ref_model, gradient_checkpointing_kwargs
     return stack
 
 
-def logging_window(trainer) -> dict:
+def logging_window(trainer, in_training: bool = True) -> dict:
     """What the Trainer and TRL have accumulated since the last log (transformers' `_tr_loss` and
     `_globalstep_last_logged`, TRL's `_metrics` and `_total_train_tokens`): restored on resume, so that a resumed run
-    logs (and summarises) the same numbers as an uninterrupted one."""
-    if not hasattr(trainer, "_tr_loss"):  # saved outside `train()`: no window open
+    logs (and summarises) the same numbers as an uninterrupted one. `in_training`: whether `train()` is running (else
+    no window is open). Read directly, no `hasattr`: a renamed attribute fails loudly, and the resume tests
+    (tests/test_failures.py, the logged figures after a resume equal the uninterrupted run's) pin the meaning."""
+    if not in_training:
         return {}
     return {
         "tr_loss": float(trainer._tr_loss),
@@ -117,8 +153,8 @@ def logging_window(trainer) -> dict:
 
 
 def restore_logging_window(trainer, window: dict) -> bool:
-    """Reopen the window `logging_window` saved; whether it was restored."""
-    if not window or not hasattr(trainer, "_tr_loss"):
+    """Reopen the window `logging_window` saved (called inside `train()`); whether it was restored."""
+    if not window:
         return False
     trainer._tr_loss += torch.tensor(window["tr_loss"], dtype=trainer._tr_loss.dtype, device=trainer._tr_loss.device)
     trainer._globalstep_last_logged = window["last_logged"]
@@ -196,3 +232,17 @@ def check_compact_lm_head() -> None:
             "save nothing on the head. Pin trl to a tested version."
         )
     _COMPACT_HEAD_OK = True
+
+
+def without_tied_keys(model, load_result):
+    """`load_result` (torch's `_IncompatibleKeys`) without the missing keys that are tied to another weight.
+
+    transformers' `Trainer._issue_warnings_after_load` (private; checked by tests/test_resume_output.py) warns on
+    every resume of a tied-embedding model that `lm_head.weight` is missing: the checkpoint stores the tied weight
+    once, as the embedding, and the head is the same tensor. Its own exemption reads `_keys_to_ignore_on_save`, which
+    transformers 5 leaves empty for tied models; the tied keys are in `all_tied_weights_keys`."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {})
+    if not tied or not hasattr(load_result, "_replace"):
+        return load_result
+    missing = [k for k in load_result.missing_keys if not any(k == t or k.endswith("." + t) for t in tied)]
+    return load_result._replace(missing_keys=missing)

@@ -27,10 +27,12 @@ from . import metrics
 from .auto import AutoKeepProbs
 from .config import AUTO, PrunedDPOConfig, uses_pruned_forward
 from .errors import TrainingDiverged
+from .notices import checkpointing_names_quiet
 from .method.estimators import horvitz_thompson, scale_branch_gradient
-from .method.execute import row_multiple, run_group, run_rows, run_unshared, shared_prompt_backend
-from .method.masks import PruneMasks, draw_masks, executed_columns, mask_generator
-from .method.plan import common_tokens, plan_policy, plan_reference, unshared_rows, work_counts
+from .method import attention
+from .method.execute import run_group
+from .method.masks import PruneMasks, draw_masks, mask_generator
+from .method.plan import plan_policy, plan_reference, work_counts
 from .reference import (
     HOST_KEY, NON_MODEL_KEYS, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator,
 )
@@ -38,10 +40,10 @@ from .safety import checkpoints, guards
 from .safety.data_checks import VISION_ERROR, check_prunable, check_training_pairs
 from .seam import (
     DPOTrainer, Replay, as_pruned_config, check_compact_lm_head, compact_lm_head, logging_window, no_grad_block,
-    reference_context, restore_logging_window,
+    reference_context, restore_logging_window, trl_loss, without_tied_keys,
 )
 
-# Batch keys the shared-prompt forward knows how to pack; any other per-token input makes it run unshared.
+# Batch keys the packed forward knows how to pack; any other per-token input makes it run padded.
 _SHAREABLE_KEYS = {"input_ids", "attention_mask"} | NON_MODEL_KEYS
 
 
@@ -62,6 +64,8 @@ class PrunedDPOTrainer(DPOTrainer):
 
     def __init__(self, model, ref_model=None, args: PrunedDPOConfig | None = None, *pargs, **kwargs):
         args = as_pruned_config(model, args, PrunedDPOConfig)
+        if args.dataloader_pin_memory and not torch.accelerator.is_available():
+            args.dataloader_pin_memory = False  # a no-op without an accelerator, but torch warns at every loader
         train_dataset = kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None)
         if uses_pruned_forward(args):  # refuse what the pruned forward cannot do, before TRL's precompute runs
             check_prunable(args, train_dataset, kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None))
@@ -69,18 +73,17 @@ class PrunedDPOTrainer(DPOTrainer):
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         self._grad_rows_aux_loss = self._auto_probs = None  # the MoE router loss of the grad rows; "auto" (auto.py)
-        self._forced_mask_options = None  # auto.py's measurements draw with their own options
         self._share_backend = None  # resolved below, once the model is prepared (precompute runs unshared)
         super().__init__(model, ref_model, args, *pargs, **kwargs)
-        check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse
         if uses_pruned_forward(args):
+            check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (one rank)
             if self._is_vision_dataset:  # a processor not passed in (loaded by TRL): known only now
                 raise ValueError(VISION_ERROR)
             self.data_collator = pruned_collator(self.data_collator, args, self.train_dataset)
             self._share_backend = self._shared_prompt_backend()
         if args.auto_keep_probs:
-            self._auto_probs = AutoKeepProbs(args, self.accelerator.unwrap_model(self.model).config,
-                                             loss=lambda model, inputs: PrunedDPOTrainer.compute_loss(self, model, inputs))
+            self._auto_probs = AutoKeepProbs(args, self.accelerator.unwrap_model(self.model).config, self)
+            self.add_callback(self._auto_probs)  # it reads the gradient norms of each step (auto.py)
 
     @property
     def _uses_pruned_forward(self) -> bool:
@@ -109,10 +112,7 @@ class PrunedDPOTrainer(DPOTrainer):
                        prefix_min_ratio=args.prefix_min_ratio, branch_keep_prob=args.branch_keep_prob,
                        branch_sampling=args.branch_sampling, drop_common_prefix=args.prune_common_prefix)
         if self._auto_probs is not None and inputs is not None:
-            step, micro = self._mask_step
-            measure_generator = mask_generator(args.prune_seed, step, -1 - micro, self.accelerator.process_index)
-            options = self._auto_probs.options(self, self.accelerator.unwrap_model(self.model), inputs, options, step,
-                                               micro, measure_generator)
+            options = self._auto_probs.options(self, inputs, options, *self._mask_step)
         return options
 
     def _prunes_branches(self) -> bool:
@@ -123,99 +123,80 @@ class PrunedDPOTrainer(DPOTrainer):
         """This micro-step's masks, drawn on the host from the batch's token layout (no device sync), from a generator
         keyed by (prune_seed, global step, micro-step, rank): resuming draws the same masks."""
         host = host_batch(inputs)
-        if self._forced_mask_options is not None:  # auto.py's measurements: their own options and generator
-            return draw_masks(host.input_ids, host.completion_mask, **self._forced_mask_options)
         step = self.state.global_step
         micro = self._mask_step[1] + 1 if self._mask_step[0] == step else 0
         self._mask_step = (step, micro)
         generator = mask_generator(self.args.prune_seed, step, micro, self.accelerator.process_index)
         return draw_masks(host.input_ids, host.completion_mask, **self._mask_options(inputs), generator=generator)
 
+    _packed = False  # whether the forward runs packed (padding_free / share_prompt on a model the packed path takes)
+
     def _shared_prompt_backend(self) -> str | None:
-        """The attention backend of the shared-prompt forward, or None (off, or the model cannot: one warning)."""
-        if not self.args.share_prompt:
+        """The layout, once: packed (`padding_free`/`share_prompt` on a model `attention.unsupported_reason` allows) or
+        padded (said once). Returns the packed attention when prompts are shared, else None."""
+        args = self.args
+        wanted = [name for name in ("padding_free", "share_prompt") if getattr(args, name, False)]
+        if not wanted:
             return None
         models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
-        backend, reason = shared_prompt_backend([m.get_base_model() if is_peft_model(m) else m for m in models],
-                                                self.aux_loss_enabled)
+        models = [m.get_base_model() if is_peft_model(m) else m for m in models]
+        reason = ("the MoE router auxiliary loss needs the padded batch" if self.aux_loss_enabled else None)
+        for model in models:
+            reason = reason or attention.unsupported_reason(model, args.max_length)
         if reason:
-            warnings.warn(f"share_prompt=True is ignored: {reason}. Training runs the unshared forward (exact, "
-                          "slower).", stacklevel=3)
-        return backend
+            warnings.warn(f"{' and '.join(wanted)} ignored: {reason}. Training runs padded rows (exact, slower).",
+                          stacklevel=3)
+            return None
+        self._packed, self._packed_models = True, models
+        return attention.PACKED if args.share_prompt else None
 
-    def _can_share(self, inputs) -> bool:
-        """The packed forward feeds the model token ids only: a batch with other per-token inputs runs unshared."""
-        return self._share_backend is not None and not (set(inputs) - _SHAREABLE_KEYS)
+    def _layout(self, inputs) -> tuple[bool, bool]:
+        """(packed, share) for this batch: a batch with per-token inputs other than token ids runs padded."""
+        packed = self._packed and not (set(inputs) - _SHAREABLE_KEYS)
+        if packed:  # kept until the trainer's next stock forward: checkpointing recomputes in the backward
+            attention.use_packed(self._packed_models)
+        return packed, packed and self._share_backend is not None
 
     # ------------------------------------------------------------------------------------------ execute: the forwards
-    def _reference_log_probs(self, model, inputs, scored: torch.Tensor, executed: torch.Tensor | None = None):
+    def _reference_log_probs(self, model, inputs, scored: torch.Tensor):
         """Per-token reference log-probs (rows, cols) on the `scored` positions, 0 elsewhere; never backpropagated."""
-        scored = scored.cpu()  # the plan is made on the host (a no-op in training, where the masks live there)
-        device = inputs["input_ids"].device
-        context = reference_context(self.model, self.accelerator.unwrap_model(self.model), self.ref_model,
-                                    self.args.gradient_checkpointing_kwargs)
-        if self._can_share(inputs):
-            host = host_batch(inputs)
-            group = plan_reference(host, scored, common_tokens(host), row_multiple(self._share_backend))
-            with context, compact_lm_head():
-                outputs, _ = run_group(model, group, ("log_probs",), self._share_backend, device)
-            self._count("reference_tokens_executed", group.input_ids.numel())
-            self._count("reference_positions_scored", group.scored)
-            return outputs["log_probs"].float()
-        executed = executed_columns(scored) if executed is None else executed.cpu()
-        rows, width, positions = unshared_rows(scored, executed, torch.ones_like(executed, dtype=torch.bool))
-        per_token = torch.zeros(scored.shape, dtype=torch.float32, device=device)
-        with context, compact_lm_head():
-            outputs = run_rows(model, inputs, rows, scored, width, NON_MODEL_KEYS)
-        if rows.numel():
-            per_token[rows.to(device), : width - 1] = outputs.log_probs[:, -(width - 1) :].float()
-        self._count("reference_tokens_executed", max(rows.numel(), 1) * width)
-        self._count("reference_positions_scored", positions)
-        return per_token
+        packed, share = self._layout(inputs)
+        group = plan_reference(host_batch(inputs), scored.cpu(), share, packed)
+        with reference_context(self.model, self.accelerator.unwrap_model(self.model), self.ref_model,
+                               self.args.gradient_checkpointing_kwargs), compact_lm_head():
+            outputs, _ = run_group(model, group, ("log_probs",), inputs, NON_MODEL_KEYS)
+        self._count("reference_tokens_executed", group.tokens)
+        self._count("reference_positions_scored", group.scored)
+        return outputs["log_probs"].float()
 
     def _reference_sums(self, inputs, per_token: torch.Tensor):
         """Per-branch reference sums from per-token values, through TRL's own `compute_ref_log_probs` (ld_alpha)."""
         return DPOTrainer.compute_ref_log_probs(self, Replay(log_probs=per_token), inputs)
 
-    def _policy_shared(self, model, inputs, masks: PruneMasks, fields, device):
-        """The shared-prompt policy forwards: per-token outputs on the grid, and a function running the frozen group
-        (in the micro-step's one no-grad block) that returns its outputs on the grid, or None."""
-        host = host_batch(inputs)
+    def _policy_forwards(self, model, inputs, masks: PruneMasks, fields):
+        """The policy forwards of the plan: per-token outputs of the grad group on the grid, and a function running the
+        frozen group (in the micro-step's one no-grad block) that returns its outputs on the grid, or None."""
+        packed, share = self._layout(inputs)
         grad_cost = 4.0 if self.args.gradient_checkpointing else 3.0  # forward + backward (+ recompute), Eq. in method
-        plan = plan_policy(host, masks, frozen_group=self._prunes_branches(), grad_cost=grad_cost,
-                           common=common_tokens(host), multiple=row_multiple(self._share_backend))
-        # (no MoE router aux loss here: `_shared_prompt_backend` keeps such models on the unshared forward)
-        per_token, _ = run_group(model, plan.grad, fields, self._share_backend, device)
-        executed = plan.grad.input_ids.numel()
-        for name, value in (("policy_tokens_executed", executed), ("grad_tokens_executed", executed),
-                            ("shared_pairs", plan.shared_pairs), ("split_pairs", plan.split_pairs)):
+        plan = plan_policy(host_batch(inputs), masks, frozen_group=self._prunes_branches(), grad_cost=grad_cost,
+                           share=share, packed=packed)
+        # MoE (padded only): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md)
+        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        per_token, outputs = run_group(model, plan.grad, fields, inputs, NON_MODEL_KEYS, **router)
+        if router:
+            self._grad_rows_aux_loss = outputs.aux_loss * (1.0 if plan.grad.scored else 0.0)
+        counts = (("policy_tokens_executed", plan.grad.tokens), ("grad_tokens_executed", plan.grad.tokens),
+                  ("shared_pairs", plan.shared_pairs), ("split_pairs", plan.split_pairs))
+        for name, value in counts[: 4 if share else 2]:
             self._count(name, value)
 
         def run_frozen():
             if plan.frozen is None:
                 return None
-            self._count("policy_tokens_executed", plan.frozen.input_ids.numel())
-            return run_group(model, plan.frozen, fields, self._share_backend, device)[0]
+            self._count("policy_tokens_executed", plan.frozen.tokens)
+            return run_group(model, plan.frozen, fields, inputs, NON_MODEL_KEYS)[0]
 
         return per_token, run_frozen
-
-    def _policy_unshared(self, model, inputs, masks: PruneMasks, fields, shape):
-        """The unshared policy forwards: backpropagated rows with grad; returns (per_token, run_frozen) like above."""
-
-        def run(with_grad):
-            rows, width, _ = unshared_rows(masks.scored, masks.executed, masks.backprop == with_grad)
-            # MoE: the router aux loss is the grad rows' own, over their executed columns (docs/parity.md)
-            router = {"output_router_logits": True} if with_grad and self.aux_loss_enabled else {}
-            per_token, outputs = run_unshared(model, inputs, rows, masks.scored, width, fields, shape, NON_MODEL_KEYS,
-                                              with_grad, **router)
-            if router:
-                self._grad_rows_aux_loss = outputs.aux_loss * (1.0 if rows.numel() else 0.0)
-            tokens = max(rows.numel(), 1) * width
-            self._count("policy_tokens_executed", tokens)
-            self._count("grad_tokens_executed", tokens if with_grad else 0)
-            return per_token
-
-        return run(True), lambda: run(False) if self._prunes_branches() else None
 
     def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """The pruned forward of the [chosen; rejected] batch.
@@ -230,15 +211,11 @@ class PrunedDPOTrainer(DPOTrainer):
         masks = _masks_to(self._draw_masks(inputs), "cpu")  # the host copy the plan reads
         self.last_prune_stats = {}
         response = inputs["completion_mask"][:, 1:].bool()
-        shape, device = response.shape, response.device
         fields = ("log_probs", "entropy", "mean_logits", "is_top1") + (
             ("log_sum_sq_probs",) if self.use_weighting else ()
         )
         with compact_lm_head():
-            if self._can_share(inputs):
-                per_token, run_frozen = self._policy_shared(model, inputs, masks, fields, device)
-            else:
-                per_token, run_frozen = self._policy_unshared(model, inputs, masks, fields, shape)
+            per_token, run_frozen = self._policy_forwards(model, inputs, masks, fields)
             with no_grad_block(self.model, self.args.gradient_checkpointing_kwargs):
                 frozen = run_frozen()
                 reference = self._pruned_reference(model, inputs, masks, response)
@@ -246,7 +223,7 @@ class PrunedDPOTrainer(DPOTrainer):
             for f in fields:
                 per_token[f] = per_token[f] | frozen[f] if f == "is_top1" else per_token[f] + frozen[f]
 
-        on_device = _masks_to(masks, device)
+        on_device = _masks_to(masks, response.device)
         for f in fields:
             if f != "is_top1":
                 per_token[f] = horvitz_thompson(per_token[f].float(), on_device.weights)
@@ -272,7 +249,7 @@ class PrunedDPOTrainer(DPOTrainer):
             return self._reference_sums(inputs, horvitz_thompson(stored, weights if prune else exact.float()))
         reference_model = self.ref_model if self.ref_model is not None else self.model
         if prune:
-            per_token = self._reference_log_probs(reference_model, inputs, masks.scored, masks.executed)
+            per_token = self._reference_log_probs(reference_model, inputs, masks.scored)
             return self._reference_sums(inputs, horvitz_thompson(per_token, weights))
         per_token = self._reference_log_probs(reference_model, inputs, masks.exact)
         return self._reference_sums(inputs, per_token * exact)
@@ -280,6 +257,8 @@ class PrunedDPOTrainer(DPOTrainer):
     # --------------------------------------------------------------------------------------- estimate: TRL's loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not self.model.training or not self._uses_pruned_forward:  # evaluation, and pruning off: TRL's own path
+            if self._packed:  # the attention each model was loaded with (attention.py)
+                attention.use_packed(self._packed_models, packed=False)
             inputs = {k: v for k, v in inputs.items() if k not in (REF_TOKEN_KEY, HOST_KEY)}
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         return self._pruned_loss(model, inputs, return_outputs)
@@ -291,13 +270,7 @@ class PrunedDPOTrainer(DPOTrainer):
         per_token, (ref_chosen, ref_rejected) = self.concatenated_forward(model, inputs)
         batch = {k: v for k, v in inputs.items() if k != REF_TOKEN_KEY}
         batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref_chosen, ref_rejected
-        precompute = self.precompute_ref_logps
-        self.precompute_ref_logps = True  # TRL then reads the reference sums from the batch
-        try:
-            loss = self._compute_loss(Replay(aux_loss=self._grad_rows_aux_loss, **per_token), batch,
-                                      return_outputs=False)
-        finally:
-            self.precompute_ref_logps = precompute
+        loss = trl_loss(self, Replay(aux_loss=self._grad_rows_aux_loss, **per_token), batch)  # reference: the batch's
         metrics.relabel_stock_metrics(self, metrics.log_pruned_metrics(self, per_token))
         return loss
 
@@ -308,15 +281,17 @@ class PrunedDPOTrainer(DPOTrainer):
     resumed_from: str | None = None  # the checkpoint the last `train()` resumed from
     restored_logging_window = False  # whether its partial logging window was restored (else logs restart there)
     divergence_guard: guards.DivergenceGuard | None = None
+    reads_stop_signal = True  # the stop-signal flag rides on the step's one fused read (guards.check_step)
     _step_loss = _diverged = _pending_run_state = None
+    _defer_metrics = False  # inside `train()`: metrics are read at the logging step (metrics.flush)
 
     def train(self, resume_from_checkpoint=None, *pargs, **kwargs):
         """TRL's `train`, resuming only from a complete checkpoint with this run's pruning settings (`True`: the newest
-        complete one), warning about settings that should alarm, and stopping a diverging run (safety/). Raises
-        `errors.ResumeError` and `errors.TrainingDiverged`, each one line."""
+        complete one; a stock checkpoint resumes with a note), warning about settings that should alarm, and stopping
+        a diverging run (safety/). Raises `errors.ResumeError` and `errors.TrainingDiverged`, each one line."""
         from transformers.utils import logging
 
-        if self.train_dataset is not None:
+        if self.train_dataset is not None and self._uses_pruned_forward:  # pruning off: stock's own error
             guards.check_not_empty(self.train_dataset, self.args)
         resume, note = checkpoints.resolve_resume(resume_from_checkpoint, self.args)
         if note and self.is_world_process_zero():
@@ -324,12 +299,33 @@ class PrunedDPOTrainer(DPOTrainer):
         self.resumed_from, self.restored_logging_window = resume, False
         self._step_loss, self._diverged = None, None
         self._pending_run_state = checkpoints.read_run_state(resume, self.args.process_index) if resume else None
-        self.divergence_guard = guards.DivergenceGuard.from_run_state(self._pending_run_state)
-        guards.warn_before_training(self.args)
-        output = super().train(resume, *pargs, **kwargs)
+        if self._auto_probs is not None:  # its statistics and choice: a resume draws the masks of no resume
+            self._auto_probs.load_state_dict((self._pending_run_state or {}).get("auto"))
+        self.divergence_guard = guards.DivergenceGuard.from_run_state(self._pending_run_state,
+                                                                      self.args.divergence_factor)
+        if self._uses_pruned_forward:  # pruning off: stock says nothing
+            guards.warn_before_training(self.args)
+        metrics.discard_pending(self)
+        self._defer_metrics = True
+        try:
+            with checkpointing_names_quiet():  # TRL's calls of transformers' deprecated names (notices.py)
+                output = super().train(resume, *pargs, **kwargs)
+        finally:
+            self._defer_metrics = False
         if self._diverged is not None:
             raise TrainingDiverged(self._diverged)
         return output
+
+    def evaluate(self, *pargs, **kwargs):
+        with checkpointing_names_quiet():  # as in `train`
+            return super().evaluate(*pargs, **kwargs)
+
+    def predict(self, *pargs, **kwargs):
+        with checkpointing_names_quiet():  # as in `train`
+            return super().predict(*pargs, **kwargs)
+
+    def _issue_warnings_after_load(self, load_result):  # a resume: a tied head is not missing (seam.py)
+        super()._issue_warnings_after_load(without_tied_keys(self.accelerator.unwrap_model(self.model), load_result))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self._pending_run_state is not None:  # first micro-step after a resume: reopen the logging window
@@ -345,7 +341,13 @@ class PrunedDPOTrainer(DPOTrainer):
             self._diverged = guards.check_step(self, loss, grad_norm) or self._diverged
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *pargs, **kwargs)
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        metrics.flush(self)  # the plugin's metrics, read once per logging step (every process logs together)
+        super().log(logs, start_time)
+
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, then the run state and the completion marker (safety/checkpoints.py)."""
-        state = {"window": logging_window(self), "guard": self.divergence_guard.state_dict()}
+        metrics.flush(self)  # the logging window saved below holds values, not device counts
+        state = {"window": logging_window(self, self._defer_metrics), "guard": self.divergence_guard.state_dict(),
+                 "auto": self._auto_probs.state_dict() if self._auto_probs is not None else None}
         checkpoints.save_complete(self, super()._save_checkpoint, model, trial, state)

@@ -193,6 +193,9 @@ def main():
             "global_step": trainer.state.global_step,
             "log_history": trainer.state.log_history,
             "draws": draws,
+            # auto (auto.py): what it measured and chose, the same on every rank
+            "auto": {"history": trainer._auto_probs.history, "choice": list(trainer._auto_probs.choice)}
+            if getattr(trainer, "_auto_probs", None) is not None else None,
             # the precomputed reference (each rank computed a shard; every rank must hold the whole, in order)
             "stored_reference": {c: v for c, v in trainer.train_dataset[:].items() if c in STORED_REFERENCE},
         }

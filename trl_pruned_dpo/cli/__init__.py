@@ -26,7 +26,7 @@ _PROGRAM_STARTED = time.perf_counter()  # this module loads first (the package i
 
 from ..errors import PROG, RUN_ERRORS, InputError, exit_code  # noqa: E402 - after the start time
 from ..safety.checkpoints import disk_full_as_error  # noqa: E402
-from ..safety.output_dir import output_lock, preflight  # noqa: E402
+from ..safety.output_dir import is_main_process, output_lock, preflight  # noqa: E402
 from ..safety.signals import launcher_stop_code, remember_command, stop_on_signals  # noqa: E402
 from .data import apply_thread_count, check_splits, go_offline, hub_unreachable, is_hub_id, load_data  # noqa: E402
 from .data import resolve_model  # noqa: E402 - patched by tests to prove nothing is loaded before a refusal
@@ -69,17 +69,21 @@ def launch(launch_args: list[str], training_argv: list[str]) -> int:
 
 class _OutputGuard:
     """Removes the output folder when the run that created it fails before writing any checkpoint, so a failed run
-    leaves nothing that looks like a result. A folder that existed before, or holds checkpoints, is left alone."""
+    leaves nothing that looks like a result. A folder that existed before, or holds checkpoints, is left alone. Only
+    the main process (the one holding the output lock) decides and deletes: another rank's error never removes the
+    folder, nor the main process's lock, under a run that is still going."""
 
     def __init__(self, output_dir: str):
         self.path = Path(output_dir)
-        self.created = not self.path.exists()
+        self.main = is_main_process()
+        self.created = self.main and not self.path.exists()
 
     def __enter__(self):
         return self
 
     def __exit__(self, kind, error, traceback):
-        if kind is not None and self.created and self.path.is_dir() and not any(self.path.glob("checkpoint-*")):
+        if (kind is not None and self.main and self.created and self.path.is_dir()
+                and not any(self.path.glob("checkpoint-*"))):
             shutil.rmtree(self.path, ignore_errors=True)
         return False
 
@@ -159,17 +163,20 @@ def _print_error(message: str) -> None:
 
 
 def silence_library_noise() -> None:
-    """Hide other libraries' messages that are not the user's business: deprecation notices about names TRL itself
-    passes (`gradient_checkpointing`, printed even when it is false), DataLoader's pin_memory notice on a machine
-    without an accelerator, and bitsandbytes' CPU-kernel notice (printed on import, QLoRA or not)."""
-    import logging
+    """The command line is the whole program, so here the filters are process-wide: transformers' deprecation notices
+    about the `gradient_checkpointing*` names TRL itself uses (printed even when it is false; stock `DPOTrainer`
+    under `--compare` included), DataLoader's pin_memory notice on a machine without an accelerator, and
+    bitsandbytes' CPU-kernel notice (printed on import, QLoRA or not). Through the Python API the package does the
+    same, scoped to its own calls (trl_pruned_dpo/notices.py); what stays is listed in docs/cli.md."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing` is deprecated", category=FutureWarning)
+    from ..notices import hide_import_notices
+
+    deprecated = r"`(is_)?gradient_checkpointing(_kwargs|_enable|_disable)?` is deprecated"
+    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"'pin_memory' argument is set as true but no accelerator",
                             category=UserWarning)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-        lambda record: "gemm_4bit_forward" not in record.getMessage())
+    hide_import_notices()
 
 
 def _compare(script_args, training_args, model_args, dataset_args, launch_args) -> int:

@@ -2,14 +2,16 @@
 same model, data, seed and DPO settings, the pruned one with the config's pruning fields.
 
 It prints one row per trainer (training wall time, final held-out reward accuracy, tokens executed as a share of
-the full graph) and writes ``<output_dir>/compare.json`` and ``<output_dir>/compare.png`` (held-out accuracy against
-step and against training time). Training time excludes the evaluations, which are TRL's own unpruned path in both.
-The runs are sequential, in this process: on a shared machine their wall times move with the load, so compare
-them on an otherwise idle machine, at one thread (the demo's `env: OMP_NUM_THREADS: "1"`).
+the full graph) and writes ``<output_dir>/compare.json``, ``<output_dir>/compare.png`` (held-out accuracy against
+step and against training time) and the pruned model (as a plain run would); each trainer's own scratch output goes
+to a temporary folder, removed afterwards. Training time excludes the evaluations, which are TRL's own unpruned
+path in both. The runs are sequential, in this process: on a shared machine their wall times move with the load, so
+compare them on an otherwise idle machine, at one thread (the demo's `env: OMP_NUM_THREADS: "1"`).
 """
 
 import dataclasses
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def _stock_config(pruned_args):
     return DPOConfig(**values)
 
 
-def _run(trainer_class, args, model_path, train_dataset, eval_dataset) -> dict:
+def _run(trainer_class, args, model_path, train_dataset, eval_dataset) -> tuple[object, dict]:
     curve = _HeldOutCurve()
     trainer = trainer_class(model=model_path, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                             callbacks=[curve])
@@ -54,7 +56,7 @@ def _run(trainer_class, args, model_path, train_dataset, eval_dataset) -> dict:
         trainer.evaluate()  # the final point: the run ends with an evaluation, as the CLI's do
     history = trainer.state.log_history
     shares = [e["prune/tokens_executed"] for e in history if "prune/tokens_executed" in e]
-    return {
+    return trainer, {
         "trainer": trainer_class.__name__,
         "steps": trainer.state.global_step,
         "train_seconds": curve.points[-1][1],
@@ -123,13 +125,16 @@ def compare(script_args, training_args, model_args, dataset_args) -> int:
     rows = []
     for label, trainer_class, args in (("stock", DPOTrainer, _stock_config(training_args)),
                                        ("pruned", PrunedDPOTrainer, training_args)):
-        args.output_dir = str(output / label)
         print(f"--compare: training {trainer_class.__name__} ({label}) ...", flush=True)
-        rows.append(_run(trainer_class, args, model_path, train_dataset, eval_dataset))
-    output.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f"compare-{label}-") as scratch:  # what a trainer writes on its own
+            args.output_dir = scratch
+            trainer, row = _run(trainer_class, args, model_path, train_dataset, eval_dataset)
+            rows.append(row)
+    trainer.save_model(str(output))  # the pruned model, where a plain run of the same config saves it
     (output / "compare.json").write_text(json.dumps(rows, indent=1))
     drawn = plot(rows, output / "compare.png")
     print(f"\n{PROG} --compare (model {model_args.model_name_or_path}, data {name})\n{format_rows(rows)}")
     print(f"wrote {output / 'compare.json'}" + (f" and {output / 'compare.png'}" if drawn else
-                                                  " (no PNG: `pip install matplotlib` to draw the curves)"))
+                                                  " (no PNG: `pip install matplotlib` to draw the curves)")
+          + f"; the pruned model is saved in {output}")
     return 0

@@ -18,13 +18,36 @@ def under_launcher() -> bool:
     return os.environ.get(LAUNCHED_ENV) == "1" or "LOCAL_RANK" in os.environ or "ACCELERATE_DYNAMO_BACKEND" in os.environ
 
 
+USAGE = f"{PROG} [--config FILE.yaml] [--KEY VALUE ...] [--compare] [accelerate launch options]"
+DESCRIPTION = (
+    "`trl dpo` with PrunedDPOTrainer: the same keys (YAML or flags), plus the pruning options listed first. "
+    "Offline demo: `trl-pruned-dpo --config configs/demo.yaml`; add `--compare` to train stock DPOTrainer first and "
+    "print both (held-out accuracy, time, tokens executed). Any `accelerate launch` option (e.g. --num_processes 4, "
+    "--accelerate_config zero3) relaunches through accelerate. docs/cli.md has the details."
+)
+
+
 def make_parser(prog: str = PROG):
-    """`trl dpo`'s parser with `PrunedDPOConfig` in place of `DPOConfig`."""
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+    """`trl dpo`'s parser with `PrunedDPOConfig` in place of `DPOConfig`; its --help shows the plugin's own options
+    first (TRL's list runs to ~900 lines before them)."""
+    import dataclasses
+
+    from trl import DatasetMixtureConfig, DPOConfig, ModelConfig, ScriptArguments, TrlParser
 
     from ..config import PrunedDPOConfig
 
-    return TrlParser((ScriptArguments, PrunedDPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+    parser = TrlParser((ScriptArguments, PrunedDPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog,
+                       usage=USAGE, description=DESCRIPTION)
+    own = {f.name for f in dataclasses.fields(PrunedDPOConfig)} - {f.name for f in dataclasses.fields(DPOConfig)}
+    group = parser.add_argument_group("trl-pruned-dpo (pruning and run safety; docs/method.md, docs/cli.md)")
+    rest = parser._optionals  # argparse keeps each group's actions in `_group_actions`; moving them moves the help
+    for action in [a for a in rest._group_actions if a.dest in own or a.dest in ("help", "config")]:
+        rest._group_actions.remove(action)
+        group._group_actions.append(action)
+    parser._action_groups.remove(group)
+    parser._action_groups.insert(parser._action_groups.index(rest), group)
+    rest.title = "every other key: trl dpo's (ScriptArguments, DPOConfig, ModelConfig, DatasetMixtureConfig)"
+    return parser
 
 
 def _accelerate_options() -> set[str]:

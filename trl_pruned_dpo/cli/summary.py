@@ -5,11 +5,11 @@ from ..errors import PROG
 from ..safety import checkpoints
 from ..safety.signals import resume_command
 
-_PRUNE_METRICS = {
-    "prune/tokens_executed": "tokens executed",
-    "prune/positions_scored": "positions scored",
-    "prune/branches_backpropagated": "branches backpropagated",
-    "prune/tokens_backpropagated": "tokens backpropagated",
+_PRUNE_METRICS = {  # key -> (label, what the share is of)
+    "prune/tokens_executed": ("tokens executed", " of the full graph"),
+    "prune/positions_scored": ("positions scored", " of response positions"),
+    "prune/branches_backpropagated": ("branches backpropagated", " of branches"),
+    "prune/tokens_backpropagated": ("tokens backpropagated", " of response tokens"),
 }
 
 
@@ -18,9 +18,35 @@ def _mean(history: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def pruning_line(args) -> str:
+    """The pruning settings that are on, by field name; "none" when the run is stock DPO."""
+    on = [name for name in ("share_prompt", "prune_common_prefix") if getattr(args, name, False)]
+    if args.prefix_prune_prob:
+        on.append(f"prefix_prune_prob {args.prefix_prune_prob:g} (min ratio {args.prefix_min_ratio:g})")
+    if args.branch_keep_prob != 1:
+        on.append(f"branch_keep_prob {args.branch_keep_prob} ({args.branch_sampling})")
+    if args.position_keep_prob != 1:
+        on.append(f"position_keep_prob {args.position_keep_prob}")
+    return ", ".join(on) if on else "none: every keep probability 1 (stock DPO's computation)"
+
+
+def auto_choice(trainer) -> dict | None:
+    """The last choice of a keep probability "auto" (trl_pruned_dpo/auto.py), restored with a resumed checkpoint."""
+    auto = getattr(trainer, "_auto_probs", None)
+    history = getattr(auto, "history", None)
+    return history[-1] if history else None
+
+
+def auto_details(trainer) -> str | None:
+    """The whole reason of auto's last choice (for the log above the summary, which gives its first clause)."""
+    choice = auto_choice(trainer)
+    return None if choice is None else f"auto at step {choice['step']}: {choice['reason']}"
+
+
 def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) -> str:
-    """What ran: steps, time, the last logged loss and accuracies, and the mean `prune/*` fractions (n/a if the
-    trainer logged none)."""
+    """What ran, one short line per fact: steps and time, the last training loss, the held-out accuracy, what "auto"
+    chose (its reason's first clause: the whole reason is printed above), the mean `prune/*` fractions, the worst
+    values and where the model is. A fact the run did not produce is left out, not shown as n/a."""
     args, state = trainer.args, trainer.state
     history = state.log_history
     train_log = next((e for e in reversed(history) if "train_runtime" in e), {})
@@ -28,37 +54,34 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
     last = next((e for e in reversed(history) if "loss" in e), {**train_log, "loss": train_log.get("train_loss")})
     last_eval = next((e for e in reversed(history) if "eval_rewards/accuracies" in e), None)
     pairs = state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-
-    def fmt(value, pattern="{:.3f}"):
-        return "n/a" if value is None else pattern.format(value)
-
+    runtime = train_log.get("train_runtime")
+    timing = f"{runtime:.1f} s of training, " if runtime is not None else ""
     lines = [
         f"{PROG} summary",
         ("model", model_name if model_name == model_path else f"{model_name} -> {model_path}"),
-        ("pruning", f"position_keep_prob={args.position_keep_prob} prefix_prune_prob={args.prefix_prune_prob} "
-                    f"(min ratio {args.prefix_min_ratio}) branch_keep_prob={args.branch_keep_prob} "
-                    f"({args.branch_sampling}) prune_common_prefix={args.prune_common_prefix} "
-                    f"share_prompt={args.share_prompt}"),
-        ("steps", f"{state.global_step} ({pairs} pairs) in {fmt(train_log.get('train_runtime'), '{:.1f}')} s of "
-                  f"training, {wall_seconds:.1f} s in all"),
-        ("last loss / reward acc.", f"{fmt(last.get('loss'))} / {fmt(last.get('rewards/accuracies'))} "
-                                    f"(step {last.get('step', 'n/a')}, training batches)"),
+        ("pruning", pruning_line(args)),
+        ("steps", f"{state.global_step} ({pairs} pairs), {timing}{wall_seconds:.1f} s in all"),
     ]
+    if last.get("loss") is not None:
+        lines.append(("last training loss", f"{last['loss']:.3f} (step {last.get('step', state.global_step)})"))
+    if last.get("rewards/accuracies") is not None:
+        lines.append(("training reward acc.", f"{last['rewards/accuracies']:.3f} (last logged batches)"))
     if last_eval is not None:
-        lines.append(("held-out reward acc.", f"{fmt(last_eval['eval_rewards/accuracies'])} "
+        lines.append(("held-out reward acc.", f"{last_eval['eval_rewards/accuracies']:.3f} "
                                               f"(step {last_eval.get('step')}, eval split)"))
-    auto = getattr(trainer, "_auto_probs", None)
-    if auto is not None and auto.history:  # what "auto" chose last, and why (trl_pruned_dpo/auto.py)
-        choice = auto.history[-1]
-        lines.append(("auto chose", f"branch {choice['branch_keep_prob']:g}, position {choice['position_keep_prob']:g} "
-                                    f"at step {choice['step']}: {choice['reason']}"))
-    for key, label in _PRUNE_METRICS.items():
+    choice = auto_choice(trainer)
+    if choice is not None:  # the verdict only; the numbers behind it are in the line printed above the summary
+        verdict = choice["reason"].split(":", 1)[0]
+        lines.append(("auto chose", f"branch {choice['branch_keep_prob']:g}, position "
+                                    f"{choice['position_keep_prob']:g} at step {choice['step']}: {verdict}"))
+    for key, (label, of) in _PRUNE_METRICS.items():
         share = _mean(history, key)
-        suffix = {"prune/tokens_executed": " of the full graph", "prune/positions_scored": " of response positions"}
-        lines.append((label, "n/a" if share is None else f"{100 * share:.1f}%{suffix.get(key, '')}"))
+        if share is not None:
+            lines.append((label, f"{100 * share:.1f}%{of}"))
     lines += closing_lines(trainer)  # worst values, resume note, saved model or where the run stopped
-    return "\n".join(line if isinstance(line, str) else f"  {line[0]:<24} {line[1]}" for line in lines)
-
+    details = auto_details(trainer)  # printed just above the summary: the log keeps the whole reason
+    return "\n".join(([details] if details else []) +
+                     [line if isinstance(line, str) else f"  {line[0]:<24} {line[1]}" for line in lines])
 
 
 def closing_lines(trainer) -> list:

@@ -9,8 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .model import cache_dir, resolve_model
-from .tasks import load_builtin
+from .model import builtin_model_names, cache_dir, resolve_model
+from .tasks import builtin_names, load_builtin
 
 
 def export_dataset(name: str, folder: Path) -> Path:
@@ -21,13 +21,24 @@ def export_dataset(name: str, folder: Path) -> Path:
     return folder
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trl_pruned_dpo.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["prepare"])
-    parser.add_argument("--model", default="builtin:tiny-demo")
-    parser.add_argument("--dataset", default="builtin:mix")
-    parser.add_argument("--out", type=Path, default=None, help="dataset folder (default: under the demo cache)")
-    args = parser.parse_args(argv)
+    parser.add_argument("action", choices=["prepare"],
+                        help="prepare: write the model folder and the dataset folder, then print both paths")
+    parser.add_argument("--model", default="builtin:tiny-demo-sft",
+                        help=f"built-in model to write (default: %(default)s, the demo's; one of "
+                             f"{', '.join(builtin_model_names())})")
+    parser.add_argument("--dataset", default="builtin:sort-short",
+                        help=f"built-in dataset to export as train.jsonl and test.jsonl (default: %(default)s, the "
+                             f"demo's; one of {', '.join(builtin_names())})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="dataset folder (default: <demo cache>/datasets/<task>; the model always goes to the "
+                             "demo cache, $TRL_PRUNED_DPO_CACHE or ~/.cache/trl_pruned_dpo)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     model = resolve_model(args.model)
     task = args.dataset.split(":", 1)[-1]
     data = export_dataset(args.dataset, args.out or cache_dir() / "datasets" / task)

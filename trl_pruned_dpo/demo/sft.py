@@ -35,6 +35,8 @@ class SFTRecipe:
     learning_rate: float = 3e-3
     warmup: int = 30
     data_seed: int = 2_000_003  # far from the DPO splits' seeds (0 and 1_000_003)
+    threads: int = 1  # torch threads while training: the result then does not depend on the caller's thread count
+    held_out_pairs: int = 1024  # test pairs drawn for the DPO dataset (tasks.BUILTIN_VARIANTS), kept out of SFT
 
 
 SFT_MODELS = {"tiny-demo-sft": SFTRecipe()}
@@ -42,7 +44,9 @@ SFT_MODELS = {"tiny-demo-sft": SFTRecipe()}
 
 def sft_examples(recipe: SFTRecipe, seed: int) -> list[dict[str, str]]:
     """SFT examples of the recipe's task and sizes, none with a prompt of the DPO dataset's train or test split."""
-    task, low, high, _ = BUILTIN_VARIANTS[recipe.dataset]
+    task, low, high, _, n_test = BUILTIN_VARIANTS[recipe.dataset]
+    if n_test != recipe.held_out_pairs:  # the recipe's hash names the cache folder: it must change with the split
+        raise ValueError(f"SFTRecipe.held_out_pairs={recipe.held_out_pairs} but {recipe.dataset} draws {n_test}.")
     held = {p for split in load_builtin(recipe.dataset, seed).values() for p in split["prompt"]}
     rows = make_examples(task, recipe.n_examples, recipe.data_seed + seed, low, high)
     return [row for row in rows if row["prompt"] not in held]
@@ -84,17 +88,23 @@ def fine_tune(model, recipe: SFTRecipe, seed: int = 0, log=None):
     order = random.Random(f"trl-pruned-dpo/sft/{seed}")
     started = time.perf_counter()
     model.train()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for step in range(recipe.steps):
-            input_ids, labels, attention = _batch([order.choice(rows) for _ in range(recipe.batch_size)], tokenizer)
-            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if (step + 1) % 100 == 0 or step + 1 == recipe.steps:
-                log(f"  SFT step {step + 1}/{recipe.steps}: loss {loss.item():.3f} "
-                    f"({time.perf_counter() - started:.0f} s)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)  # a thread count may change the order of reductions, hence the weights
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for step in range(recipe.steps):
+                rows_now = [order.choice(rows) for _ in range(recipe.batch_size)]
+                input_ids, labels, attention = _batch(rows_now, tokenizer)
+                loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                if (step + 1) % 100 == 0 or step + 1 == recipe.steps:
+                    log(f"  SFT step {step + 1}/{recipe.steps}: loss {loss.item():.3f} "
+                        f"({time.perf_counter() - started:.0f} s)")
+    finally:
+        torch.set_num_threads(threads)
     return model.eval()

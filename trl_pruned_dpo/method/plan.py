@@ -1,31 +1,22 @@
-"""The host-side plan of a micro-step's forwards: which tokens run, packed how, with or without grad.
+"""The host-side plan of a micro-step's forwards: which tokens run, laid out how, with or without grad.
 
-Pure functions of CPU tensors and Python ints, no model and no trainer state: everything here is decided before the
-batch reaches the device, so the executor (execute.py) runs it without a single host-device sync.
-
-Shared prompts (docs/method.md, "Packed layout"). Chosen and rejected of a pair start with the same prompt and often
-the same response start; `s` tokens in common. Their hidden states at positions 0..s-2 are identical in both rows and
-predict the same next token, so they run once: a pair is one packed *item*
-
-    [ shared: positions 0..s-2 | chosen: positions s-1..  | rejected: positions s-1.. ]
-
-with position ids that restart at s-1 for each branch, each branch attending to the shared part and to itself only.
-Position s-1 (the last common token) is run once per branch because it predicts a different next token in each.
-Labels are pre-shifted (`shift_labels`): a position is labelled with the token it predicts, so the trailing token a row
-only needs as a label is never executed. Items are packed first-fit-decreasing into rows no longer than the longest
-item (so a dense mask never grows past what the longest pair needs), and padding sits only at the ends of rows.
-
-Columns are TRL's shifted coordinates (masks.py): column c of a (rows, cols) per-token tensor is the log-prob of input
-token c + 1, i.e. the output of input position c.
+Pure, vectorised functions of CPU tensors and Python ints (no model, no trainer state), so the executor (execute.py)
+runs the plan without a host-device sync. One planner, two layouts of the same groups (docs/method.md, "Packed layout"):
+- packed (`padding_free`, `share_prompt`): one row of segments from each row's real tokens, no padding. A row alone is
+  one segment; a shared pair is [shared: positions 0..s-2 | chosen: s-1.. | rejected: s-1..] (s common leading tokens;
+  position s-1 predicts a different token in each branch), each branch keyed on the shared part and itself. The
+  attention metadata (cu_seq_q, cu_seq_k, kv_index, max_q, max_k) is what a varlen kernel takes (attention.py).
+- padded (the fallback for models a packed row cannot express exactly): the batch's rows that run, trimmed.
+Labels are pre-shifted (`shift_labels`): a position carries the token it predicts where some grid cell scores it, so a
+row's last token never runs. Grid column c (TRL's shifted coordinates, masks.py) is the output of input position c.
 """
 
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from .masks import PruneMasks, pair_agreement, positions_needed
-
-SHARED, CHOSEN, REJECTED = 0, 1, 2  # segment ids inside an item; a lone row is one SHARED segment
 
 
 @dataclass
@@ -42,31 +33,29 @@ class HostBatch:
 
 @dataclass
 class PackedGroup:
-    """One forward: packed rows and where each output lands in the (rows, cols) per-token grid.
+    """One forward. shift_labels: (1, tokens) packed, (len(rows), width) padded; source: (rows, cols), the flat index
+    of the output scoring each grid cell (-1: none); tokens executed, positions scored. Packed: input_ids, position_ids
+    (1, tokens) and attention.Packing's metadata (host). Padded: the batch rows run, on columns 0..width-1."""
 
-    input_ids, position_ids, shift_labels, item, segment: (packed_rows, width) long. `item` numbers the items of a row
-    (-1 on padding), `segment` says SHARED/CHOSEN/REJECTED; together they define the attention mask (execute.py).
-    source: (rows, cols) long, flat index into the packed outputs of the position scoring each grid cell, -1 if none.
-    tokens: real (non-padding) tokens executed; scored: positions through the LM head; width: packed row length.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
     shift_labels: torch.Tensor
-    item: torch.Tensor
-    segment: torch.Tensor
     source: torch.Tensor
     tokens: int
     scored: int
-    width: int
+    input_ids: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    cu_seq_q: torch.Tensor | None = None
+    cu_seq_k: torch.Tensor | None = None
+    kv_index: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
+    bounds: tuple[list[int], list[int]] | None = None  # cu_seq_q, cu_seq_k as ints (the per-segment attention's)
+    rows: torch.Tensor | None = None
+    width: int = 0
 
 
 @dataclass
 class ForwardPlan:
-    """The policy forwards of a micro-step: a group run with grad and (with branch pruning) one under no_grad.
-
-    shared_pairs / split_pairs: pairs run as one shared item / as two separate rows (the cost model's choice).
-    """
+    """A micro-step's policy forwards: with grad, and (branch pruning) under no_grad; pairs shared / split."""
 
     grad: PackedGroup
     frozen: PackedGroup | None
@@ -89,164 +78,139 @@ def work_counts(host: HostBatch, masks: PruneMasks) -> dict[str, int]:
     )
 
 
-def unshared_rows(
-    scored: torch.Tensor, executed: torch.Tensor, selected: torch.Tensor
-) -> tuple[torch.Tensor, int, int]:
-    """The unshared forward of the `selected` rows that execute anything: their indices, the width they are trimmed
-    to (the longest executed row) and how many positions they score. An empty group runs 2 tokens (see `pack`)."""
-    rows = torch.nonzero((executed > 0) & selected).flatten()
-    if rows.numel() == 0:
-        return rows, 2, 0
-    return rows, int(executed[rows].max()), int(scored[rows].sum())
-
-
-def common_tokens(host: HostBatch) -> list[int]:
-    """Per pair, the number s of leading tokens its chosen and rejected rows have in common (prompt included)."""
+def real_tokens(host: HostBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, valid, offset): each row's real tokens moved to column 0 from its first real column `offset`."""
     valid = host.attention_mask.bool()
-    both = pair_agreement(host.input_ids, valid) & valid.chunk(2)[0]
-    return both.long().cumprod(dim=1).sum(dim=1).tolist()
+    offset = valid.long().argmax(dim=1)
+    cols = torch.arange(valid.size(1))
+    index = (offset[:, None] + cols).clamp(max=valid.size(1) - 1)
+    return host.input_ids.gather(1, index), cols < valid.sum(dim=1, keepdim=True), offset
 
 
-def _item_segments(pair: int, pairs: int, rows: tuple[int, ...], s: int, need: list[int]):
-    """(source row, start, end, segment, destination rows) of an item: a shared pair, or a lone row."""
-    if len(rows) == 1:
-        (row,) = rows
-        return [(row, 0, need[row], SHARED, (row,))]
-    chosen, rejected = pair, pair + pairs
-    shared = min(max(s - 1, 0), max(need[chosen], need[rejected]))
-    segments = [(chosen, 0, shared, SHARED, (chosen, rejected))]
-    for row, segment in ((chosen, CHOSEN), (rejected, REJECTED)):
-        if need[row] > shared:
-            segments.append((row, shared, need[row], segment, (row,)))
-    return segments
+def common_tokens(host: HostBatch) -> torch.Tensor:
+    """(pairs,) long: how many leading real tokens the chosen and rejected row of each pair have in common."""
+    ids, valid, _ = real_tokens(host)
+    both = pair_agreement(ids, valid) & valid.chunk(2)[0]
+    return both.long().cumprod(dim=1).sum(dim=1)
 
 
-def pack(
-    host: HostBatch,
-    scored: torch.Tensor,
-    items: list[tuple[int, tuple[int, ...]]],
-    common: list[int],
-    multiple: int = 1,
-) -> PackedGroup:
-    """Pack `items` ((pair, rows): both rows of a pair shared, or one row alone) into one forward.
+def _lengths(host: HostBatch, scored: torch.Tensor):
+    """(offset, need): per row, its first real column and its positions to run (to its last scored column)."""
+    _, _, offset = real_tokens(host)
+    last = positions_needed(scored)  # grid column of the last scored cell + 1
+    return offset, torch.where(last > 0, last - offset, 0)
 
-    Only positions up to each row's last scored column run (prefix pruning cuts branches early); only scored positions
-    carry a label (position pruning: only they reach the LM head). An empty group still runs two tokens of row 0 with
-    no label: every process must run the same modules in the same order (ZeRO-3/FSDP), and a grad group must stay
-    connected to the graph. `multiple`: round the row length up to it (FlexAttention compiles per shape and works in
-    blocks of 128: fewer distinct shapes, no partial block).
+
+def shared_length(common: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+    """(pairs,) the shared segment of each pair: its s - 1 common positions, no longer than either branch needs."""
+    chosen, rejected = need.chunk(2)
+    return torch.minimum((common - 1).clamp(min=0), torch.maximum(chosen, rejected))
+
+
+def plan_group(host: HostBatch, scored: torch.Tensor, run: torch.Tensor, share: torch.Tensor,
+               packed: bool) -> PackedGroup:
+    """One forward of the rows `run` ((rows,) bool), the pairs `share` ((pairs,) bool, both rows run) as shared items.
+
+    Only positions up to each row's last scored column run (prefix pruning cuts branches early); only scored
+    positions carry a label (position pruning: only they reach the LM head).
     """
-    ids = host.input_ids
-    pairs, cols = ids.size(0) // 2, scored.size(1)
-    need = positions_needed(scored).tolist()
-    built = []  # per item: list of segments with their lengths
-    for pair, rows in items:
-        segments = [seg for seg in _item_segments(pair, pairs, rows, common[pair], need) if seg[2] > seg[1]]
-        length = sum(end - start for _, start, end, _, _ in segments)
-        if length:
-            built.append((length, segments))
-    if not built:
-        built = [(2, [(0, 0, 2, SHARED, ())])]
-    # first-fit decreasing into rows of the longest item's length
-    built.sort(key=lambda b: -b[0])
-    width = built[0][0]
-    packed_rows: list[list] = []
-    free: list[int] = []
-    for length, segments in built:
-        for r, room in enumerate(free):
-            if room >= length:
-                packed_rows[r].append(segments)
-                free[r] -= length
-                break
-        else:
-            packed_rows.append([segments])
-            free.append(width - length)
+    rows, cols = scored.shape
+    pairs = rows // 2
+    offset, need = _lengths(host, scored)
+    if not bool((run & (need > 0)).any()):  # still run two tokens of row 0, labelling none: every process must run the
+        # same modules in the same order (ZeRO-3/FSDP), and a grad group must stay connected to the graph
+        run, scored, share = torch.arange(rows) == 0, torch.zeros_like(scored), share & False
+        need = torch.where(run, 2 if packed else 1, 0)  # (the padded layout adds the label-only token)
+    if not packed:  # the padded fallback: the batch's own rows, trimmed to the longest
+        index = torch.nonzero(run & (need > 0)).flatten()
+        # the rows' last token (a label only) runs too, as in stock's forward: the same kernels' round-off
+        width = int((need + offset)[index].max()) + 1
+        keep = F.pad(scored[index], (0, 1))[:, :width]
+        labels = torch.where(keep, F.pad(host.input_ids[index, 1:], (0, 1))[:, :width], -100)
+        flat = torch.arange(index.numel() * width).view(-1, width)
+        source = torch.full(scored.shape, -1, dtype=torch.long)
+        source[index, : width - 1] = torch.where(keep, flat, -1)[:, : width - 1]  # width - 1 <= cols
+        return PackedGroup(labels, source, index.numel() * width, int(keep.sum()), rows=index, width=width)
 
-    shape = (len(packed_rows), -(-width // multiple) * multiple)
-    input_ids = torch.zeros(shape, dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    shift_labels = torch.full(shape, -100, dtype=torch.long)
-    item = torch.full(shape, -1, dtype=torch.long)
-    segment = torch.zeros(shape, dtype=torch.long)
-    source = torch.full((ids.size(0), cols), -1, dtype=torch.long)
-    tokens = 0
-    for r, row_items in enumerate(packed_rows):
-        at = 0
-        for number, segments in enumerate(row_items):
-            for row, start, end, kind, destinations in segments:
-                span = slice(at, at + end - start)
-                positions = torch.arange(start, end)
-                input_ids[r, span] = ids[row, start:end]
-                position_ids[r, span] = positions
-                item[r, span] = number
-                segment[r, span] = kind
-                # position c predicts token c + 1 = shifted column c; label it only where some destination scores it
-                in_grid = positions < cols
-                wanted = torch.zeros(end - start, dtype=torch.bool)
-                for dest in destinations:
-                    wanted[in_grid] |= scored[dest, positions[in_grid]]
-                labels = torch.full((end - start,), -100, dtype=torch.long)
-                labels[wanted] = ids[row, positions[wanted] + 1]
-                shift_labels[r, span] = labels
-                flat = r * shape[1] + at + torch.arange(end - start)
-                for dest in destinations:
-                    hit = wanted & in_grid
-                    hit[in_grid] &= scored[dest, positions[in_grid]]
-                    source[dest, positions[hit]] = flat[hit]
-                at += end - start
-        tokens += at
-    # the padding tail of a row repeats its last position id: harmless (it attends only to padding, scores nothing)
-    scored_positions = int((shift_labels != -100).sum())
-    return PackedGroup(input_ids, position_ids, shift_labels, item, segment, source, tokens, scored_positions, shape[1])
+    ids, _, _ = real_tokens(host)
+    share = share & run[:pairs] & run[pairs:]
+    shared = torch.where(share, shared_length(common_tokens(host), need), 0)
+    pair = torch.arange(pairs)
+    # per pair, three segments: [shared part (chosen's tokens), chosen, rejected]; a row alone is one segment
+    seg_row = torch.stack([pair, pair, pair + pairs], dim=1)
+    seg_start = torch.stack([torch.zeros_like(shared), shared, shared], dim=1)
+    run_c, run_r = run[:pairs], run[pairs:]
+    seg_end = torch.stack([shared, torch.where(run_c, need[:pairs].maximum(shared), shared),
+                           torch.where(run_r, need[pairs:].maximum(shared), shared)], dim=1)
+    seg_partner = torch.stack([torch.where(share, pair + pairs, -1), torch.full_like(pair, -1),
+                               torch.full_like(pair, -1)], dim=1)  # a shared position scores for both rows
+    length = (seg_end - seg_start).flatten()
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
+    pre_start = starts[:-1].view(pairs, 3)[:, :1].expand(pairs, 3).flatten()  # where the pair's shared part lies
+    nonempty = length > 0
+    seg_row, seg_start, seg_partner, pre_start, first, length = (
+        x.flatten()[nonempty] for x in (seg_row, seg_start, seg_partner, pre_start, starts[:-1], length))
+
+    # tokens: segment after segment
+    total = int(length.sum())
+    seg_of = torch.repeat_interleave(torch.arange(length.numel()), length)
+    position = torch.arange(total) - first[seg_of] + seg_start[seg_of]  # the position id: the real-token index
+    row = seg_row[seg_of]
+    input_ids = ids[row, position]
+    source = torch.full((rows, cols), -1, dtype=torch.long)
+    token = torch.arange(total)
+    labelled = torch.zeros(total, dtype=torch.bool)
+    partner = seg_partner[seg_of]
+    for dest, ok in ((row, torch.ones(total, dtype=torch.bool)), (partner.clamp(min=0), partner >= 0)):
+        col = position + offset[dest]  # the grid column this position scores for row `dest`
+        hit = ok & (col < cols) & scored[dest, col.clamp(max=cols - 1)]
+        source[dest[hit], col[hit]] = token[hit]
+        labelled |= hit
+    shift_labels = torch.where(labelled, ids[row, (position + 1).clamp(max=ids.size(1) - 1)], -100)
+
+    # keys: the pair's shared part (as long as a branch's start), then the segment itself (lower-right causal)
+    keys = length + seg_start
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.long), keys.cumsum(0)])
+    kseg = torch.repeat_interleave(torch.arange(keys.numel()), keys)
+    j = torch.arange(int(cu_k[-1])) - cu_k[kseg]
+    kv_index = torch.where(j < seg_start[kseg], pre_start[kseg] + j, first[kseg] + j - seg_start[kseg])
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
+    return PackedGroup(shift_labels.view(1, -1), source, total, int(labelled.sum()), input_ids.view(1, -1),
+                       position.view(1, -1), cu_q.int(), cu_k.int(), kv_index, int(length.max()), int(keys.max()),
+                       (cu_q.tolist(), cu_k.tolist()))
 
 
-def shared_is_cheaper(shared: int, frozen_tail: int, grad_cost: float) -> bool:
-    """A pair with one backpropagated branch: run it as one shared item (all with grad), or split it?
-
-    Shared: grad_cost * (shared + both tails). Split: grad_cost * (shared + grad tail) + 1 * (shared + frozen tail),
-    a no-grad forward costing 1 unit per token (docs/method.md, "Branch pruning and sharing"). Shared wins iff
-    (grad_cost - 1) * frozen_tail < shared.
-    """
+def shared_is_cheaper(shared, frozen_tail, grad_cost: float):
+    """A pair with one backpropagated branch: shared, grad_cost * (shared + both tails), or split, grad_cost * (shared
+    + grad tail) + 1 * (shared + frozen tail) (docs/method.md, "Branch pruning and sharing")? Shared wins iff
+    (grad_cost - 1) * frozen_tail < shared. Ints or per-pair tensors."""
     return (grad_cost - 1) * frozen_tail < shared
 
 
-def plan_policy(
-    host: HostBatch, masks: PruneMasks, *, frozen_group: bool, grad_cost: float, common: list[int], multiple: int = 1
-) -> ForwardPlan:
-    """The shared policy forwards. `frozen_group`: branch pruning is on (structural, the same on every process).
-
-    A pair whose branches are both backpropagated (or both frozen) is one shared item; a pair with one of each is
-    shared in the grad group (its frozen branch then runs with grad and gets a zero gradient, Eq. 3) when that is
-    cheaper than running the frozen branch separately under no_grad, and split otherwise.
-    """
-    scored, backprop = masks.scored.cpu(), masks.backprop.cpu().tolist()
+def plan_policy(host: HostBatch, masks: PruneMasks, *, frozen_group: bool, grad_cost: float, share: bool,
+                packed: bool) -> ForwardPlan:
+    """The policy forwards; `frozen_group`: branch pruning is on (structural, the same on every process). Shared, a pair
+    whose branches are both backpropagated (or both frozen) is one item; a pair with one of each is shared in the grad
+    group (its frozen branch gets a zero gradient, Eq. 3) when cheaper than running that branch under no_grad."""
+    scored, backprop = masks.scored.cpu(), masks.backprop.cpu()
     pairs = scored.size(0) // 2
-    need = positions_needed(scored).tolist()
-    grad_items, frozen_items = [], []
-    shared_pairs = split_pairs = 0
-    for pair in range(pairs):
-        chosen, rejected = pair, pair + pairs
-        z = (backprop[chosen], backprop[rejected])
-        if z[0] == z[1]:
-            (grad_items if z[0] else frozen_items).append((pair, (chosen, rejected)))
-            shared_pairs += 1
-            continue
-        grad_row, frozen_row = (chosen, rejected) if z[0] else (rejected, chosen)
-        shared = min(max(common[pair] - 1, 0), max(need[chosen], need[rejected]))
-        if shared_is_cheaper(shared, max(need[frozen_row] - shared, 0), grad_cost):
-            grad_items.append((pair, (chosen, rejected)))
-            shared_pairs += 1
-        else:
-            grad_items.append((pair, (grad_row,)))
-            frozen_items.append((pair, (frozen_row,)))
-            split_pairs += 1
-    grad = pack(host, scored, grad_items, common, multiple)
-    frozen = pack(host, scored, frozen_items, common, multiple) if frozen_group else None
-    return ForwardPlan(grad, frozen, shared_pairs, split_pairs)
+    grad_c, grad_r = backprop.chunk(2)
+    if share:
+        _, need = _lengths(host, scored)
+        shared = shared_length(common_tokens(host), need)
+        frozen_tail = (torch.where(grad_c, need[pairs:], need[:pairs]) - shared).clamp(min=0)
+        mixed = grad_c != grad_r
+        share_grad = (grad_c & grad_r) | (mixed & shared_is_cheaper(shared, frozen_tail, grad_cost))
+        share_frozen = ~grad_c & ~grad_r
+    else:
+        share_grad = share_frozen = mixed = torch.zeros(pairs, dtype=torch.bool)
+    joined = torch.cat([share_grad, share_grad])
+    grad = plan_group(host, scored, backprop | joined, share_grad, packed)
+    frozen = plan_group(host, scored, ~backprop & ~joined, share_frozen, packed) if frozen_group else None
+    return ForwardPlan(grad, frozen, int((share_grad | share_frozen).sum()), int((mixed & ~share_grad).sum()))
 
 
-def plan_reference(host: HostBatch, scored: torch.Tensor, common: list[int], multiple: int = 1) -> PackedGroup:
-    """The shared reference forward (never backpropagated): every pair is one item, which always saves."""
-    scored = scored.cpu()
-    pairs = scored.size(0) // 2
-    return pack(host, scored, [(pair, (pair, pair + pairs)) for pair in range(pairs)], common, multiple)
+def plan_reference(host: HostBatch, scored: torch.Tensor, share: bool, packed: bool) -> PackedGroup:
+    """The reference forward (never backpropagated): with sharing, every pair is one item, which always saves."""
+    rows = scored.size(0)
+    return plan_group(host, scored.cpu(), torch.ones(rows, dtype=torch.bool), torch.full((rows // 2,), share), packed)

@@ -10,6 +10,15 @@ makes the checkpoint incomplete again.
 
 The marker also stores the pruning configuration: masks are a function of (prune_seed, step, micro-step, rank) and of
 the sampling fields (docs/method.md, "Contract"), so resuming with other values would silently draw other masks.
+
+A checkpoint the plugin did not write (stock `DPOTrainer`'s, or one from before the marker) has neither the marker nor
+the `SAVING` sentinel the plugin writes first and removes last: it resumes, with a one-line note that its files are not
+verified. A plugin save cut short leaves the sentinel (or its per-process run state) without the marker: skipped.
+
+Several processes: the marker has one writer (`args.should_save`: the main process, or one per node with
+`save_on_each_node`), written through a unique temporary name and renamed atomically; only the main process removes a
+failed checkpoint. A failure on any process is shared with all of them (one exchange of one-line reasons), so every
+process raises the same one-line error instead of waiting at a barrier for one that died.
 """
 
 import errno
@@ -17,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +35,7 @@ from ..errors import DiskFullError, ResumeError
 MARKER = "pruned_dpo_complete.json"
 RUN_STATE = "pruned_dpo_run_state.json"  # per process: logging window and worst values, so a resume logs like no resume
 MARKER_VERSION = 1
+SAVING = "pruned_dpo_saving"  # written before a checkpoint's first file, removed once its marker is in place
 
 # The fields that decide which masks are drawn (docs/method.md); compared on resume.
 PRUNING_FIELDS = (
@@ -35,7 +46,12 @@ OVERRIDE_FLAG = "allow_pruning_change_on_resume"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # Not part of a checkpoint's content: the marker itself, and the sentinel transformers' JIT checkpoint writes before
 # calling `_save_checkpoint` and removes after it (it would be listed, then missing).
-_NOT_CONTENT = {MARKER, MARKER + ".tmp", "checkpoint-is-incomplete.txt"}
+_NOT_CONTENT = {MARKER, SAVING, "checkpoint-is-incomplete.txt"}
+
+
+def _is_content(path: Path) -> bool:
+    """Whether `path` belongs in the manifest (not the marker, its temporary copies, the sentinels)."""
+    return path.name not in _NOT_CONTENT and not (path.name.startswith(f".{MARKER}.") and path.name.endswith(".tmp"))
 
 
 # --- writing --------------------------------------------------------------------------------------------------------
@@ -57,11 +73,18 @@ def _fsync(path: Path, directory: bool = False) -> None:
 
 
 def write_json_atomic(path: Path, content: dict) -> None:
-    """Write `content` to `path` so that a reader sees either nothing or all of it (write, fsync, rename)."""
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(content, indent=1, sort_keys=True))
-    _fsync(temporary)
-    os.replace(temporary, path)
+    """Write `content` to `path` so that a reader sees either nothing or all of it (write, fsync, rename). The
+    temporary file's name is unique, so writers on several nodes sharing a filesystem never write the same file."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(content, indent=1, sort_keys=True))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
     _fsync(path.parent, directory=True)
 
 
@@ -69,7 +92,7 @@ def mark_complete(folder: str | os.PathLike, args, step: int) -> None:
     """Write the completion marker of `folder`: every file flushed to disk first, then the manifest, atomically."""
     folder = Path(folder)
     files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in _NOT_CONTENT):
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and _is_content(p)):
         _fsync(path)
         files[path.relative_to(folder).as_posix()] = path.stat().st_size
     for directory in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
@@ -77,11 +100,16 @@ def mark_complete(folder: str | os.PathLike, args, step: int) -> None:
     write_json_atomic(folder / MARKER, {
         "version": MARKER_VERSION, "step": step, "files": files, "pruning": pruning_config(args),
     })
+    (folder / SAVING).unlink(missing_ok=True)
 
 
 def unmark(folder: str | os.PathLike) -> None:
-    """Remove the marker before (re)writing a checkpoint folder, so a half-rewritten one is never trusted."""
-    (Path(folder) / MARKER).unlink(missing_ok=True)
+    """Before (re)writing a checkpoint folder: remove its marker and leave the `SAVING` sentinel, so a half-written
+    one is never trusted, nor taken for a stock checkpoint."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARKER).unlink(missing_ok=True)
+    (folder / SAVING).touch()
 
 
 def _run_state_path(folder, rank: int) -> Path:
@@ -113,9 +141,10 @@ def incomplete_reason(folder: str | os.PathLike) -> str | None:
     if not marker.is_file():
         if not any(folder.iterdir()):
             return "empty"
+        if is_foreign(folder):
+            return None
         missing = [name for name in ("trainer_state.json",) if not (folder / name).is_file()]
-        return ("no completion marker" + (f", no {missing[0]}" if missing else "")
-                + " (interrupted while saving, or not written by trl-pruned-dpo)")
+        return "no completion marker" + (f", no {missing[0]}" if missing else "") + " (interrupted while saving)"
     try:
         manifest = json.loads(marker.read_text())
         files = manifest["files"]
@@ -128,6 +157,14 @@ def incomplete_reason(folder: str | os.PathLike) -> str | None:
         if path.stat().st_size != size:
             return f"{name} is {path.stat().st_size} bytes, {size} when saved (truncated or overwritten)"
     return None
+
+
+def is_foreign(folder: str | os.PathLike) -> bool:
+    """A checkpoint trl-pruned-dpo did not write (stock `DPOTrainer`'s): no marker, no trace of a plugin save (the
+    `SAVING` sentinel, a run state), and transformers' last file, `trainer_state.json`, in place."""
+    folder = Path(folder)
+    return (not (folder / MARKER).exists() and not (folder / SAVING).exists()
+            and (folder / "trainer_state.json").is_file() and not any(folder.glob(RUN_STATE.replace(".json", "-*"))))
 
 
 def checkpoint_step(folder: str | os.PathLike) -> int | None:
@@ -205,6 +242,9 @@ def resolve_resume(value, args) -> tuple[str | None, str | None]:
             raise ResumeError(f"checkpoint {chosen} is incomplete ({reason}): {hint}. Resume from that, or with "
                               "`--resume_from_checkpoint true`.")
         note = f"resuming from {chosen}"
+    if is_foreign(chosen):
+        note += (" (no trl-pruned-dpo completion marker, e.g. a stock DPOTrainer checkpoint: resumed as stock resumes "
+                 "it, its files not verified)")
     changed = pruning_differences(chosen, args)
     if changed and not getattr(args, OVERRIDE_FLAG, False):
         raise ResumeError(f"checkpoint {chosen} was trained with other pruning settings ({', '.join(changed)}): a "
@@ -269,31 +309,65 @@ def disk_full_as_error(what: str, where: str | os.PathLike, output_dir: str | os
         raise DiskFullError(disk_full_message(what, where, output_dir or where)) from None
 
 
+def _agree(trainer, error: BaseException | None) -> tuple[str | None, int | None, bool]:
+    """Every process learns whether any failed, and why: (the one-line reason, the failing process, whether it is a
+    full disk), the same on all, or (None, None, False). One exchange of small objects, instead of a barrier that a
+    process which died would never reach."""
+    local = None if error is None else " ".join(str(error).split()) or type(error).__name__
+    me, full = trainer.args.process_index, isinstance(error, DiskFullError)
+    if trainer.args.world_size == 1:
+        return local, (None if local is None else me), full
+    from accelerate.utils import gather_object
+
+    failed = [f for f in gather_object([(me, local, full)]) if f[1] is not None]
+    if not failed:
+        return None, None, False
+    rank, reason, full = min(failed, key=lambda f: (not f[2], f[0]))  # a full disk first: it names the remedy
+    return reason, rank, full
+
+
 def save_complete(trainer, save, model, trial, run_state: dict) -> None:
     """`save(model, trial)` (TRL's checkpoint), then every process's `run_state` and the completion marker; older
-    checkpoints are rotated only after the new one is complete, and a full disk is said in one line (the partial
-    folder is removed)."""
+    checkpoints are rotated only after the new one is complete. A failure on any process (a full disk said in one line,
+    the partial folder removed by the main process) ends every process with the same one-line error."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
     args = trainer.args
     run_dir = trainer._get_output_dir(trial=trial)
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    name = os.path.basename(folder)
     limit, args.save_total_limit = args.save_total_limit, None
-    try:
+
+    def attempt(step) -> BaseException | None:
+        try:
+            step()
+        except Exception as error:  # shared with every process below
+            if is_disk_full(error, folder):
+                return DiskFullError(disk_full_message(name, folder, run_dir) + " The incomplete checkpoint was "
+                                     "removed.")
+            return error
+        return None
+
+    def files():
         if args.should_save:
             unmark(folder)
         save(model, trial)
         write_run_state(folder, args.process_index, run_state)
-        trainer.accelerator.wait_for_everyone()  # every process's files are written before the marker
-        if args.should_save:
-            mark_complete(folder, args, trainer.state.global_step)
-    except Exception as error:
-        if not is_disk_full(error, folder):
-            raise
-        if args.should_save:
-            shutil.rmtree(folder, ignore_errors=True)
-        raise DiskFullError(disk_full_message(os.path.basename(folder), folder, run_dir) + " The incomplete "
-                            "checkpoint was removed.") from None
+
+    try:
+        for step in (files, lambda: mark_complete(folder, args, trainer.state.global_step) if args.should_save
+                     else None):
+            error = attempt(step)
+            reason, rank, full = _agree(trainer, error)  # every file is written before the marker, on every process
+            if reason is None:
+                continue
+            if full and trainer.is_world_process_zero():  # one process cleans: the others may share the folder
+                shutil.rmtree(folder, ignore_errors=True)
+            if rank == args.process_index:
+                raise error
+            if full:
+                raise DiskFullError(reason)
+            raise RuntimeError(f"process {rank} failed while saving {name}: {reason}")
     finally:
         args.save_total_limit = limit
     if args.should_save:

@@ -3,10 +3,14 @@
 - Before training (`pretraining_warnings`): the largest inverse-probability weight the sampling can produce
   (docs/method.md, Eqs. 1-3: 1 / (p_pos * q_min) for a scored token, times 1 / p_br for its gradient) above
   `MAX_INVERSE_WEIGHT`, and `beta = 0` (the loss no longer depends on the policy: no gradient).
-- During training (`DivergenceGuard`): a non-finite loss or gradient norm, or one `EXPLOSION_FACTOR` times the median
-  of the steps before it, stops the run before that step is checkpointed, naming the last good checkpoint
-  (`stop_on_divergence=False` turns this off). Stock Trainer logs hide a NaN loss (`logging_nan_inf_filter`
-  replaces it by the running mean), so the check reads every step's own loss.
+- During training (`DivergenceGuard`): a non-finite loss or gradient norm stops the run before that step is
+  checkpointed, naming the last good checkpoint. On by default only when the pruned forward is used
+  (`stop_on_divergence` unset); with every pruning off it is off, as stock trains on. A step `divergence_factor` times
+  the median of the steps before it stops the run only when that field is set: a saturating DPO loss (median ~1e-4)
+  meets one ordinary hard batch (~0.7) as a 7000x "explosion". Stock Trainer logs hide a NaN loss
+  (`logging_nan_inf_filter` replaces it by the running mean), so the check reads every step's own loss: one fused
+  device->host read per optimizer step (loss, gradient norm, and the stop-signal flag of safety/signals.py), none
+  when the guard is off and no signal handler needs it.
 - The worst values seen (largest loss and gradient norm, non-finite and zero-gradient steps) are kept for the
   summary, and saved in checkpoints so that a resumed run reports the whole run's.
 """
@@ -15,7 +19,7 @@ import math
 import statistics
 import warnings
 
-from ..config import AUTO, BRANCH_GRID, POSITION_GRID
+from ..config import AUTO, BRANCH_GRID, POSITION_GRID, uses_pruned_forward
 from ..errors import EmptyTrainingSet
 from . import checkpoints
 
@@ -23,7 +27,6 @@ from . import checkpoints
 # by the weight: with keep probabilities 0.01 a measured run had 28 of 30 steps with gradient norm 0 and the others
 # near 1,000. 20 is e.g. branch 0.25 with position 0.2; docs/cli.md "Failures and resume".
 MAX_INVERSE_WEIGHT = 20.0
-EXPLOSION_FACTOR = 1e3  # a step's |loss| or grad norm this many times the median of the earlier steps: diverged
 _HISTORY = 100  # steps in the running median
 
 
@@ -75,7 +78,8 @@ def warn_before_training(args) -> None:
 class DivergenceGuard:
     """Watches each optimizer step's loss and gradient norm; keeps the worst values seen."""
 
-    def __init__(self):
+    def __init__(self, factor: float | None = None):
+        self.factor = factor  # `divergence_factor`: None, only non-finite values stop a run
         self.worst_loss: tuple[int, float] | None = None  # (step, value), the largest |loss|
         self.worst_grad_norm: tuple[int, float] | None = None
         self.nonfinite_steps = 0
@@ -96,7 +100,7 @@ class DivergenceGuard:
                 continue
             size = abs(value)
             median = statistics.median(history) if history else 0.0
-            if median > 0 and size > EXPLOSION_FACTOR * median:
+            if self.factor is not None and median > 0 and size > self.factor * median:
                 problem = problem or (f"{name} {value:.3g} is {size / median:.0f}x the median of the steps before it "
                                       f"({median:.3g})")
             history.append(size)
@@ -134,9 +138,9 @@ class DivergenceGuard:
         return ", ".join(parts) or None
 
     @classmethod
-    def from_run_state(cls, run_state: dict | None) -> "DivergenceGuard":
+    def from_run_state(cls, run_state: dict | None, factor: float | None = None) -> "DivergenceGuard":
         """A guard that continues the one saved in a checkpoint's run state (a new one if there is none)."""
-        guard = cls()
+        guard = cls(factor)
         if run_state and "guard" in run_state:
             guard.load_state_dict(run_state["guard"])
         return guard
@@ -151,21 +155,56 @@ class DivergenceGuard:
             setattr(self, key, tuple(value) if key.startswith("worst") and value is not None else value)
 
 
+def stops_on_divergence(args) -> bool:
+    """`stop_on_divergence`, or when unset: whether the pruned forward is used (pruning off behaves as stock)."""
+    value = getattr(args, "stop_on_divergence", None)
+    return uses_pruned_forward(args) if value is None else bool(value)
+
+
+def step_values(trainer, loss, grad_norm, stop_requested: bool) -> tuple[float, float | None, bool]:
+    """This optimizer step's loss (mean over processes), gradient norm, and whether any process was asked to stop:
+    one fused vector, one all-reduce when distributed, one device->host read."""
+    import torch
+
+    device = loss.device
+    norm = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(
+        math.nan if grad_norm is None else float(grad_norm))
+    if hasattr(norm, "full_tensor"):  # FSDP2's clip_grad_norm_ returns the (replicated) total norm as a DTensor
+        norm = norm.full_tensor()
+    values = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(device),
+                          torch.tensor(float(stop_requested), device=device)])
+    world = trainer.args.world_size
+    if world > 1:
+        values = trainer.accelerator.reduce(values, reduction="sum") / world
+    loss_value, norm_value, stop = values.tolist()
+    return loss_value, (None if grad_norm is None else norm_value), stop > 0
+
+
 def check_step(trainer, loss, grad_norm) -> str | None:
-    """An optimizer step just ended with `loss` (this process's, summed over its micro-steps): record it, and when it
-    diverged (and `stop_on_divergence`), stop training without checkpointing it. Returns the one-line reason, or
-    None. Every process takes the same decision (the loss is averaged across them first)."""
-    args = trainer.args
-    if args.world_size > 1:
-        loss = trainer.accelerator.reduce(loss, reduction="mean")
-    norm = None if grad_norm is None else float(grad_norm)
+    """An optimizer step just ended with `loss` (this process's, summed over its micro-steps): when the guard is on,
+    record it, and when it diverged stop training without checkpointing it; when a stop signal reached any process
+    (safety/signals.py, `trainer.stop_request`), stop with a checkpoint. Returns the one-line reason, or None.
+
+    Reads nothing from the device when the guard is off and no signal needs agreeing on across processes; else one
+    fused read (`step_values`), the same on every process, so every process takes the same decision."""
+    args, control = trainer.args, trainer.control
+    guard_on = stops_on_divergence(args)
+    request = getattr(trainer, "stop_request", None)
+    signalled = request is not None and request.signal_number is not None
+    if not guard_on and (request is None or args.world_size == 1):
+        return None  # the signal callback decides alone in a single process
+    loss_value, norm, stop = step_values(trainer, loss, grad_norm, signalled)
+    if stop:  # a signal reached some process: all stop here, with a checkpoint of this step
+        control.should_training_stop = control.should_save = True
+    if not guard_on:
+        return None
     step = trainer.state.global_step
-    problem = trainer.divergence_guard.observe(step, float(loss), norm)
-    if problem is None or not args.stop_on_divergence:
+    problem = trainer.divergence_guard.observe(step, loss_value, norm)
+    if problem is None:
         return None
     last = checkpoints.last_complete(trainer._get_output_dir(trial=None))
     restart = f"resume from the last complete checkpoint, {last}" if last else "start again"
-    trainer.control.should_save = trainer.control.should_evaluate = False
-    trainer.control.should_training_stop = True
+    control.should_save = control.should_evaluate = False
+    control.should_training_stop = True
     return (f"training diverged at step {step}: {problem}. Stopped without checkpointing it. Lower learning_rate (or "
             f"raise the keep probabilities) and {restart}; or pass --stop_on_divergence false to train on.")

@@ -77,6 +77,8 @@ def _stop_callback(request: StopRequest, trainer):
 
         def on_step_end(self, args, state, control, **kwargs):
             requested = request.signal_number is not None
+            if args.world_size > 1 and getattr(trainer, "reads_stop_signal", False):
+                return control  # the trainer's one fused read per step agrees on it (guards.check_step)
             if args.world_size > 1:  # every process must stop at the same step, whichever one the signal reached
                 flag = torch.tensor([float(requested)], device=trainer.accelerator.device)
                 requested = bool(trainer.accelerator.reduce(flag, reduction="sum").item() > 0)

@@ -1,0 +1,63 @@
+"""Quiet output through the Python API, as through the CLI: the README's two-line swap, run in a fresh interpreter
+(import-time notices count), prints none of the library notices the plugin causes or can avoid (notices.py), and
+the narrow filters leave the user's own warnings alone.
+
+What stays is listed in docs/cli.md ("Messages from the libraries"), with why it is harmless.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NOTICES = ("gemm_4bit", "is deprecated", "pin_memory", "num_processes")
+
+API_RUN = """
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.demo import load_builtin, resolve_model
+
+path = resolve_model("builtin:tiny-demo")
+model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+ds = load_builtin("builtin:sort-short")
+args = PrunedDPOConfig(output_dir="out", beta=0.1, max_steps=2, prefix_prune_prob=0.5, prune_common_prefix=True,
+                       gradient_checkpointing=True, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=64,
+                       report_to="none", disable_tqdm=True)
+trainer = PrunedDPOTrainer(model=model, args=args, train_dataset=ds["train"], eval_dataset=ds["test"].select(range(64)),
+                           processing_class=tok)
+trainer.train()
+trainer.evaluate()
+print("trained", trainer.state.global_step)
+"""
+
+
+def test_python_api_prints_no_library_notices(tmp_path):
+    env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, "-c", API_RUN], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "trained 2" in result.stdout, result.stderr[-3000:]
+    noise = [line for line in result.stderr.splitlines() if any(text in line for text in NOTICES)]
+    assert not noise, noise
+
+
+def test_the_filters_are_narrow():
+    """Outside the plugin's own calls, transformers' deprecation warnings and other loggers' messages still show."""
+    import logging
+
+    import trl_pruned_dpo  # noqa: F401 - installs the import-time filter
+    from trl_pruned_dpo.notices import checkpointing_names_quiet
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with checkpointing_names_quiet():
+            warnings.warn("`gradient_checkpointing_enable` is deprecated and will be removed", FutureWarning)
+        warnings.warn("`gradient_checkpointing_enable` is deprecated and will be removed", FutureWarning)
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found", UserWarning)
+    assert [str(w.message).split()[0] for w in caught] == ["`gradient_checkpointing_enable`", "'pin_memory'"]
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    assert not logger.filters[0](logging.makeLogRecord({"msg": "Failed to load CPU gemm_4bit_forward from x"}))
+    assert logger.filters[0](logging.makeLogRecord({"msg": "any other message"}))

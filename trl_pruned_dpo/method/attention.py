@@ -1,0 +1,155 @@
+"""The packed attention, registered with transformers for the plugin's packed forwards (policy and reference).
+
+A packed group (plan.py) is one row of segments: a segment's queries are its tokens, its keys (`kv_index`) its pair's
+shared part then itself, causal aligned lower-right. CUDA bf16/fp16: `torch.nn.attention.varlen.varlen_attn` (GQA
+without repeating K/V); elsewhere SDPA per segment over the same metadata: cost Σ queries × keys, never (length)².
+The metadata is a model kwarg, so gradient checkpointing's replay of a layer sees it. `use_packed` names `PACKED` in
+the configs until undone (at the trainer's next stock forward): the replay runs in the backward and reads the config
+then; meanwhile a call without the metadata (generation, a callback) gets the user's own attention and mask.
+"""
+
+import inspect
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+PACKED = "trl_pruned_dpo_packed"
+PACKING_KWARG = "pruned_dpo_packing"
+
+_users_backend: dict[int, tuple[object, str]] = {}  # id(config) -> (config, the implementation the user loaded)
+_packing_depth = 0  # > 0 inside a packed forward: its mask is never built
+
+
+@dataclass
+class Packing:
+    """One packed group's metadata on the device: cu_seq_q/cu_seq_k (segments + 1,) int32 boundaries of the queries in
+    the row and of their keys in kv_index (keys,) long; max_q, max_k ints; host_q/host_k: cu_seq_q/k as ints."""
+
+    cu_seq_q: torch.Tensor
+    cu_seq_k: torch.Tensor
+    kv_index: torch.Tensor
+    max_q: int
+    max_k: int
+    host_q: list[int]
+    host_k: list[int]
+
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    _PARAMS = inspect.signature(varlen_attn).parameters  # causal lower-right; GQA where the kernel takes it
+    _CAUSAL = {"window_size": (-1, 0)} if "window_size" in _PARAMS else {"is_causal": True}
+except ImportError:  # torch < 2.10: the per-segment path everywhere
+    varlen_attn = None
+
+
+def _per_segment(query, key, value, packing: Packing, scaling):
+    """SDPA segment by segment: queries (T, H, D), gathered keys/values (K, Hkv, D); lower-right causal."""
+    out = torch.empty_like(query)
+    gqa = query.size(1) != key.size(1)
+    q0s, k0s = packing.host_q, packing.host_k
+    for s in range(len(q0s) - 1):
+        q0, q1, k0, k1 = q0s[s], q0s[s + 1], k0s[s], k0s[s + 1]
+        lq, lk = q1 - q0, k1 - k0
+        q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
+        if lq == lk:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            visible = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa)
+        out[q0:q1] = o.transpose(0, 1)
+    return out
+
+
+def _on_kernel(q) -> bool:
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attn is not None
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: query (1, H, T, D), key/value (1, Hkv, T, D) -> ((1, T, H, D), None)."""
+    packing = kwargs.pop(PACKING_KWARG, None)
+    if packing is None and _packing_depth:  # a model that drops its kwargs: never run packed and wrong
+        raise RuntimeError(f"{type(module).__name__} did not pass the packed metadata to its attention")
+    if packing is None:  # not a packed forward: the user's own backend, unchanged
+        return _users_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                        **kwargs)
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    k, v = k.index_select(0, packing.kv_index), v.index_select(0, packing.kv_index)
+    if _on_kernel(q):
+        gqa = q.size(1) // k.size(1)
+        if gqa > 1 and "enable_gqa" not in _PARAMS:
+            k, v = k.repeat_interleave(gqa, dim=1), v.repeat_interleave(gqa, dim=1)
+        out = varlen_attn(q.contiguous(), k, v, packing.cu_seq_q, packing.cu_seq_k, packing.max_q, packing.max_k,
+                          scale=scaling, **_CAUSAL, **({"enable_gqa": gqa > 1} if "enable_gqa" in _PARAMS else {}))
+    else:
+        out = _per_segment(q, k, v, packing, scaling)
+    return out.unsqueeze(0), None
+
+
+def _users(config) -> str:
+    return _users_backend.get(id(config), (None, "sdpa"))[1] or "sdpa"
+
+
+def _users_attention(module):  # eager: each model file's own function
+    name = _users(module.config)
+    return AttentionInterface._global_mapping.get(name) or sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _packed_mask(*args, **kwargs):
+    """No mask inside a packed forward (the metadata is the mask); the user's backend's mask otherwise."""
+    return None if _packing_depth else ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[_users(kwargs.get("config"))](
+        *args, **kwargs)
+
+
+AttentionInterface.register(PACKED, packed_attention)
+AttentionMaskInterface.register(PACKED, _packed_mask)
+
+
+def use_packed(models, packed: bool = True) -> None:
+    """Point the models' configs at the packed attention, or (`packed=False`) back at their own; idempotent."""
+    for config in (model.config for model in models):
+        if packed and config._attn_implementation != PACKED:
+            _users_backend[id(config)] = (config, config._attn_implementation)
+            config._attn_implementation = PACKED
+        elif not packed and config._attn_implementation == PACKED:
+            config._attn_implementation = _users_backend.pop(id(config))[1]
+
+
+@contextmanager
+def packed_forward():
+    """Marks a packed forward: its attention mask is never built."""
+    global _packing_depth
+    _packing_depth += 1
+    try:
+        yield
+    finally:
+        _packing_depth -= 1
+
+
+EXACT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt_neox")  # each proven exact by tests/test_packed.py
+
+
+def unsupported_reason(model, max_length: int | None) -> str | None:
+    """Why `model`'s attention cannot run packed exactly (None if it can), from its config: the property that forbids
+    it, named, else whether its family is one a test proves exact (the allowlist)."""
+    c = model.config
+    kind, window = getattr(c, "model_type", None), getattr(c, "sliding_window", None)
+    other = sorted(set(getattr(c, "layer_types", None) or ()) - {"full_attention"})
+    capped = [f"{n}={getattr(c, n)}" for n in ("attn_logit_softcapping", "final_logit_softcapping")
+              if getattr(c, n, None) is not None]
+    checks = [
+        (getattr(c, "alibi", False) or kind in ("bloom", "mpt"), "its attention scores carry ALiBi biases"),
+        (capped, f"its scores are soft-capped ({', '.join(capped)})"),
+        (other, f"it has {other} layers"),
+        (window is not None and getattr(c, "use_sliding_window", True) and (max_length is None or window < max_length),
+         f"its sliding attention window ({window}) is shorter than a row (max_length={max_length})"),
+        (kind == "opt", "its positions are derived from the attention mask"),
+        (getattr(c, "attention_dropout", 0.0) or getattr(c, "attn_pdrop", 0.0), "it uses attention dropout"),
+        (kind not in EXACT_FAMILIES, f"its architecture ({kind}) is not one a test proves exact packed "
+                                     f"({', '.join(EXACT_FAMILIES)})"),
+    ]
+    return next((why for bad, why in checks if bad), None)

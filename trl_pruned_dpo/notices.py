@@ -1,0 +1,40 @@
+"""Library notices the plugin causes or can avoid, hidden narrowly: each filter names one message of one library, and
+the warnings ones apply only around the plugin's own calls, never to the user's code.
+
+- bitsandbytes logs "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'" when
+  TRL imports it, QLoRA or not; the CPU 4-bit path falls back to its own kernel. A filter on that one logger, for
+  that one message, installed when the package is imported (before TRL).
+- transformers 5 deprecates the `gradient_checkpointing*` names in favour of `activation_checkpointing*`. DPOConfig's
+  own default sets `gradient_checkpointing`, and TRL's `disable_gradient_checkpointing` (entered around every no-grad
+  forward, the plugin's and TRL's reference and evaluation passes) calls the deprecated methods, the first time
+  printing four FutureWarnings the user can do nothing about. `checkpointing_names_quiet()` hides that one message
+  inside `PrunedDPOConfig.__post_init__` and `PrunedDPOTrainer.train/evaluate/predict` only.
+
+What stays is listed in docs/cli.md ("Messages from the libraries").
+"""
+
+import contextlib
+import logging
+import warnings
+
+_BNB_LOGGER = "bitsandbytes.backends.cpu.ops"
+_DEPRECATED_CHECKPOINTING = r"`(is_)?gradient_checkpointing(_kwargs|_enable|_disable)?` is deprecated"
+
+
+def _not_the_kernels_notice(record: logging.LogRecord) -> bool:
+    return "gemm_4bit_forward" not in record.getMessage()
+
+
+def hide_import_notices() -> None:
+    """Install the bitsandbytes filter (idempotent); it must run before bitsandbytes is imported."""
+    logger = logging.getLogger(_BNB_LOGGER)
+    if _not_the_kernels_notice not in logger.filters:
+        logger.addFilter(_not_the_kernels_notice)
+
+
+@contextlib.contextmanager
+def checkpointing_names_quiet():
+    """Hide transformers' FutureWarning about the deprecated `gradient_checkpointing*` names inside this block only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DEPRECATED_CHECKPOINTING, category=FutureWarning)
+        yield
