@@ -61,3 +61,25 @@ def test_the_filters_are_narrow():
     logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
     assert not logger.filters[0](logging.makeLogRecord({"msg": "Failed to load CPU gemm_4bit_forward from x"}))
     assert logger.filters[0](logging.makeLogRecord({"msg": "any other message"}))
+
+
+def test_trl_padding_free_notice_hidden_only_where_the_plugin_honours_it(tmp_path, caplog):
+    """TRL 1.16 says `padding_free` falls back to padding; with the plugin it does not, so that line must not show —
+    and it still shows for stock `DPOTrainer`, whose own behaviour it describes."""
+    import logging
+
+    from datasets import Dataset
+    from tiny import build_trainer, char_tokenizer, preference_rows
+    from trl import DPOConfig, DPOTrainer
+
+    from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+
+    data = Dataset.from_list(preference_rows(n=4))
+    notice = "`padding_free=True` is temporarily unavailable"
+    with caplog.at_level(logging.WARNING, logger="trl.trainer.dpo_trainer"):
+        build_trainer(PrunedDPOTrainer, PrunedDPOConfig, char_tokenizer(), data, tmp_path / "p", padding_free=True)
+    assert notice not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trl.trainer.dpo_trainer"):
+        build_trainer(DPOTrainer, DPOConfig, char_tokenizer(), data, tmp_path / "s", padding_free=True)
+    assert notice in caplog.text

@@ -9,6 +9,9 @@ the warnings ones apply only around the plugin's own calls, never to the user's 
   forward, the plugin's and TRL's reference and evaluation passes) calls the deprecated methods, the first time
   printing four FutureWarnings the user can do nothing about. `checkpointing_names_quiet()` hides that one message
   inside `PrunedDPOConfig.__post_init__` and `PrunedDPOTrainer.train/evaluate/predict` only.
+- TRL 1.16 logs that `padding_free=True` "is temporarily unavailable ... falling back to standard padding" when its
+  `DPOTrainer.__init__` sees the field; the plugin's packed forward honours it (or says in its own line why a model
+  falls back), so `trl_padding_free_notice_hidden` hides that one message while the constructor runs.
 
 What stays is listed in docs/cli.md ("Messages from the libraries").
 """
@@ -38,3 +41,22 @@ def checkpointing_names_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_DEPRECATED_CHECKPOINTING, category=FutureWarning)
         yield
+
+
+_TRL_DPO_LOGGER = "trl.trainer.dpo_trainer"
+
+
+def _not_the_padding_free_notice(record: logging.LogRecord) -> bool:
+    return "`padding_free=True` is temporarily unavailable" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def trl_padding_free_notice_hidden(active: bool):
+    """Hide TRL's "padding_free ... falling back" notice inside this block, when the plugin honours the field."""
+    logger = logging.getLogger(_TRL_DPO_LOGGER)
+    if active:
+        logger.addFilter(_not_the_padding_free_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_the_padding_free_notice)

@@ -27,7 +27,7 @@ from . import metrics
 from .auto import AutoKeepProbs
 from .config import AUTO, PrunedDPOConfig, uses_pruned_forward
 from .errors import TrainingDiverged
-from .notices import checkpointing_names_quiet
+from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
 from .method.estimators import horvitz_thompson, scale_branch_gradient
 from .method import attention
 from .method.execute import run_group
@@ -74,7 +74,8 @@ class PrunedDPOTrainer(DPOTrainer):
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         self._grad_rows_aux_loss = self._auto_probs = None  # the MoE router loss of the grad rows; "auto" (auto.py)
         self._share_backend = None  # resolved below, once the model is prepared (precompute runs unshared)
-        super().__init__(model, ref_model, args, *pargs, **kwargs)
+        with trl_padding_free_notice_hidden(uses_pruned_forward(args) and args.padding_free):  # the plugin honours it
+            super().__init__(model, ref_model, args, *pargs, **kwargs)
         if uses_pruned_forward(args):
             check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (one rank)
             if self._is_vision_dataset:  # a processor not passed in (loaded by TRL): known only now
