@@ -149,12 +149,11 @@ def test_precomputed_reference_bf16_matches_stock_and_the_live_reference(tokeniz
         torch.testing.assert_close(sums, stored[f"ref_{branch}_logps"], rtol=1e-5, atol=1e-4)
     # the same masks on the stored and on the live reference (the live one runs under the trainer's autocast)
     batch_pre, batch_live = first_batch(pre), first_batch(live)
-    masks = pre._draw_masks(batch_pre)
-    response = batch_pre["completion_mask"][:, 1:].bool()
+    masks = pre._draw_masks(batch_pre)  # on the host, which is also the device here
     with torch.no_grad(), pre.autocast_smart_context_manager():
-        from_store = pre._pruned_reference(pre.model, batch_pre, masks, response)
+        from_store = pre._pruned_reference(pre.model, batch_pre, masks, masks)
     with torch.no_grad(), live.autocast_smart_context_manager():
-        from_live = live._pruned_reference(live.model, batch_live, masks, response)
+        from_live = live._pruned_reference(live.model, batch_live, masks, masks)
     for a, b in zip(from_store, from_live):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=2e-2)
 

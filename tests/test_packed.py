@@ -11,7 +11,7 @@ from datasets import Dataset
 from torch.nn import functional as F
 from trl import DPOConfig, DPOTrainer
 
-from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, tiny_model
+from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, tiny_model, train_and_compare_histories
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method import attention
@@ -192,15 +192,7 @@ def test_gradient_accumulation_history_equals_stock(tokenizer, tmp_path):
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "s", **kw)
     pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p", padding_free=True,
                            share_prompt=True, **kw)
-    stock.train()
-    pruned.train()
-    history_s = [h for h in stock.state.log_history if "loss" in h]
-    history_p = [h for h in pruned.state.log_history if "loss" in h]
-    assert len(history_s) == len(history_p) == 2
-    for hs, hp in zip(history_s, history_p):
-        for key, value in hs.items():
-            if key not in ("epoch", "step", "learning_rate") and isinstance(value, float):
-                assert hp[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    train_and_compare_histories(stock, pruned)
 
 
 def _host(lengths_prompt, chosen, rejected, vocab=20, seed=0):

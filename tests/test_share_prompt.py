@@ -11,7 +11,9 @@ from datasets import Dataset
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import DPOConfig, DPOTrainer
 
-from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, preference_rows, tiny_model
+from conftest import (
+    build_trainer, first_batch, lora_trainer, loss_and_grads, preference_rows, tiny_model, train_and_compare_histories,
+)
 from test_off_means_stock import assert_same_step
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import PruneMasks
@@ -129,15 +131,7 @@ def test_gradient_accumulation_history_equals_stock(tokenizer, tmp_path):
     kw = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "s", **kw)
     shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p", share_prompt=True, **kw)
-    stock.train()
-    shared.train()
-    history_s = [h for h in stock.state.log_history if "loss" in h]
-    history_p = [h for h in shared.state.log_history if "loss" in h]
-    assert len(history_s) == len(history_p) == 2
-    for hs, hp in zip(history_s, history_p):
-        for key, value in hs.items():
-            if key not in ("epoch", "step", "learning_rate") and isinstance(value, float):
-                assert hp[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    for _, hp in train_and_compare_histories(stock, shared):
         assert hp["prune/pairs_shared"] == 1.0
 
 

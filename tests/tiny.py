@@ -89,6 +89,23 @@ def build_trainer(trainer_cls, config_cls, tokenizer, train_dataset, tmp_path, *
                        processing_class=tokenizer)
 
 
+def train_and_compare_histories(stock, pruned, steps: int = 2):
+    """Train both trainers, then check that every float TRL logged at each step (timings and schedule apart) agrees
+    to 1e-4 relative / 1e-5 absolute. Returns the (stock, pruned) log entries for the caller's own checks."""
+    import pytest
+
+    stock.train()
+    pruned.train()
+    history_s = [h for h in stock.state.log_history if "loss" in h]
+    history_p = [h for h in pruned.state.log_history if "loss" in h]
+    assert len(history_s) == len(history_p) == steps
+    for hs, hp in zip(history_s, history_p):
+        for key, value in hs.items():
+            if key not in ("epoch", "step", "learning_rate") and isinstance(value, float):
+                assert hp[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    return list(zip(history_s, history_p))
+
+
 def first_batch(trainer, n=4):
     """The first n training examples, collated the way training collates them (no shuffling)."""
     trainer.model.train()

@@ -41,8 +41,9 @@ class HostCopyCollator:
 def host_batch(inputs: dict) -> HostBatch:
     """The batch's token layout on the host: the collator's copy, else one copy now (precompute, custom loops)."""
     host = inputs.get(HOST_KEY)
-    if host is None:
-        host = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask")))
+    if host is None:  # kept on the batch: the masks, the plans and the counts of a micro-step read one copy
+        host = inputs[HOST_KEY] = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask",
+                                                                          "completion_mask")))
     return host
 
 

@@ -217,14 +217,14 @@ class PrunedDPOTrainer(DPOTrainer):
         )
         with compact_lm_head():
             per_token, run_frozen = self._policy_forwards(model, inputs, masks, fields)
+            on_device = _masks_to(masks, response.device)  # once: the reference estimate and the policy's
             with no_grad_block(self.model, self.args.gradient_checkpointing_kwargs):
                 frozen = run_frozen()
-                reference = self._pruned_reference(model, inputs, masks, response)
+                reference = self._pruned_reference(model, inputs, masks, on_device)
         if frozen is not None:  # the groups fill disjoint cells (zero elsewhere); combined outside no_grad
             for f in fields:
                 per_token[f] = per_token[f] | frozen[f] if f == "is_top1" else per_token[f] + frozen[f]
 
-        on_device = _masks_to(masks, response.device)
         for f in fields:
             if f != "is_top1":
                 per_token[f] = horvitz_thompson(per_token[f].float(), on_device.weights)
@@ -237,16 +237,15 @@ class PrunedDPOTrainer(DPOTrainer):
         self._last_masks = on_device
         return per_token, reference
 
-    def _pruned_reference(self, model, inputs, masks: PruneMasks, response: torch.Tensor):
+    def _pruned_reference(self, model, inputs, masks: PruneMasks, on_device: PruneMasks):
         """Reference sums under the policy's masks (`prune_reference`), or exact sums over every kept position;
-        `masks` are the host copy (the plan reads them), the weights go to the device for the estimate."""
+        `masks` are the host copy (the plan reads them), `on_device` the same masks where the estimate is made."""
         prune = self.args.prune_reference
-        weights = masks.weights.to(response.device, non_blocking=True)
-        exact = masks.exact.to(response.device, non_blocking=True)
+        weights, exact = on_device.weights, on_device.exact
         if self.precompute_ref_logps:
             if not prune and not self.args.prune_common_prefix:
                 return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-            stored = inputs[REF_TOKEN_KEY].to(response.device)
+            stored = inputs[REF_TOKEN_KEY].to(weights.device)
             return self._reference_sums(inputs, horvitz_thompson(stored, weights if prune else exact.float()))
         reference_model = self.ref_model if self.ref_model is not None else self.model
         if prune:
