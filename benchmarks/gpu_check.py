@@ -46,7 +46,7 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_atte
             tie_word_embeddings=True)
 SETTINGS = [  # (row, side, PrunedDPOConfig fields, exact: its first step must agree with stock's)
     ("stock", "stock", {}, True),
-    ("padding_free", "pruned", dict(padding_free=True), True),
+    ("padding_free", "pruned", dict(padding_free=True, share_prompt=False), True),
     ("pf+share", "pruned", dict(padding_free=True, share_prompt=True), True),
     ("pf+share+common", "pruned", dict(padding_free=True, share_prompt=True, prune_common_prefix=True), True),
     ("pf+share+common+prefix0.5", "pruned",
@@ -237,6 +237,12 @@ def main(argv=None):
         if device == "cuda":
             torch.cuda.empty_cache()
     print("\n" + format_table(results))
+    from trl_pruned_dpo.method import attention  # which varlen kernel the packed rows ran, and whether it was refused
+
+    verdicts = {f"{k[0].__name__.strip('_')} {k[2]} heads {k[3]}/{k[4]} dim {k[5]}": "used" if ok else "REFUSED"
+                for k, ok in attention._VERIFIED.items()}
+    print("varlen kernels:", verdicts or "none checked (the packed rows ran SDPA per segment)")
+    meta["varlen_kernels"] = verdicts
     save()
     print(f"\nwrote {args.out}/gpu_check.{{json,txt}} in {time.time() - started:.0f}s")
     return 0

@@ -47,10 +47,14 @@ from benchmarks.flops import Shape, Work, mean_flops, mean_work, pruned_work, st
 from benchmarks.workload import Workload, StepRunner, build_model, build_trainer, layout_tokens, quiet
 
 # Pruning settings (PrunedDPOConfig fields). "none" separates what the compacted head alone buys (stock TRL on CPU scores
-# every position, prompt and padding included; the pruned trainer only the kept response positions). "max": the most aggressive setting we would still train with -- one branch
-# per pair, a quarter of the positions, and three responses in four cut to a prefix of at least half.
+# every position, prompt and padding included; the plugin's forward only the kept response positions): nothing pruned
+# or saved, timed through the plugin's forward (workload.build_trainer). "max": the most aggressive setting we would
+# still train with -- one branch per pair, a quarter of the positions, and three responses in four cut to a prefix of
+# at least half. PrunedDPOConfig turns the exact savings (`share_prompt`, `padding_free`) on by default: every setting
+# spells them out (off unless the row is about them), so each row measures what its name says.
+SAVINGS_OFF = dict(share_prompt=False, padding_free=False)
 SETTINGS = {
-    "none": {},  # every probability at 1: no pruning, only the pruned trainer's compacted LM head (see the doc)
+    "none": {},  # every probability at 1 and (below) the exact savings off: the plugin's forward at identity
     "branch": dict(branch_keep_prob=0.5),
     "position": dict(position_keep_prob=0.5),
     "prefix": dict(prefix_prune_prob=0.5),
@@ -74,6 +78,7 @@ SETTINGS.update({
     "exact": EXACT_PRESET,
     "exact+prefix0.5": dict(EXACT_PRESET, prefix_prune_prob=0.5),
 })
+SETTINGS = {name: {**SAVINGS_OFF, **fields} for name, fields in SETTINGS.items()}
 MAIN_SETTINGS = ["none", "branch", "position", "prefix", "combined", "max"]
 WORKLOAD_SETTINGS = ["padding_free", "padding_free+share", "exact", "exact+prefix0.5"]
 ESTIMATORS = ("prefix_prune_prob", "position_keep_prob", "branch_keep_prob")  # settings with these are not exact

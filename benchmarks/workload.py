@@ -282,9 +282,7 @@ def build_trainer(
     elif side == "pruned":
         from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
-        config_cls, extra = PrunedDPOConfig, dict(pruning or {})
-        # nothing pruned (the `none` row): time the plugin's forward, not the TRL path it delegates to
-        trainer_cls = PrunedDPOTrainer if extra else _plugin_forward_trainer()
+        config_cls, trainer_cls, extra = PrunedDPOConfig, PrunedDPOTrainer, dict(pruning or {})
     else:
         raise ValueError(f"side must be 'stock' or 'pruned', got {side!r}")
 
@@ -307,6 +305,11 @@ def build_trainer(
         disable_tqdm=True,
         **extra,
     )
+    if side == "pruned":
+        from trl_pruned_dpo.config import uses_pruned_forward
+
+        # nothing pruned or saved (the `none` row): time the plugin's forward, not the TRL path it delegates to
+        trainer_cls = PrunedDPOTrainer if uses_pruned_forward(args) else _plugin_forward_trainer()
     model = model.to(device)
     ref_model = None if precompute else perturbed_copy(model, w.reference_noise, w.seed)
     return trainer_cls(

@@ -226,7 +226,19 @@ def test_summary_one_short_line_per_fact_and_no_unexplained_na():
             "steps)") in text.splitlines()
     args.branch_keep_prob = args.position_keep_prob = 1.0
     args.prefix_prune_prob = 0.0
-    assert "pruning                  none" in cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
+    text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
+    assert "pruning                  none" in text
+    assert "exact savings            off (share_prompt and padding_free false): padded rows, as stock" in text
+    # the exact savings (on by default): said, with how to turn them off; or that the model ran padded rows instead
+    args.share_prompt = args.padding_free = True
+    trainer._packed = True
+    text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
+    assert ("  exact savings            share_prompt, padding_free (exact; off: --share_prompt false --padding_free "
+            "false)") in text.splitlines()
+    assert all(len(line) <= 120 for line in text.splitlines() if "->" not in line and "auto at" not in line)
+    trainer._packed = False
+    text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
+    assert "exact savings            share_prompt, padding_free ignored for this model: padded rows ran" in text
 
 
 def test_help_shows_the_plugin_options_first():

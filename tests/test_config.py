@@ -3,8 +3,10 @@
 import pytest
 from trl import DPOConfig
 
-from tiny import build_trainer
+from tiny import SAVINGS_OFF, build_trainer
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.config import uses_pruned_forward
+from trl_pruned_dpo.seam import as_pruned_config
 
 
 def config(**kw):
@@ -64,6 +66,42 @@ def test_defaults_prune_nothing_and_seed_follows_the_run():
     assert config(branch_keep_prob=0.5).pruning_enabled
 
 
+def test_exact_savings_are_on_by_default_and_off_restores_stocks_code():
+    """Issue 20: `share_prompt` and `padding_free` (exact) default to True, so the plugin's forward runs; both off with
+    every pruning off is stock TRL's own code (`uses_pruned_forward` False)."""
+    args = config()
+    assert args.share_prompt is True and args.padding_free is True and not args.pruning_enabled
+    assert uses_pruned_forward(args)
+    assert not uses_pruned_forward(config(**SAVINGS_OFF))
+    assert uses_pruned_forward(config(share_prompt=False)) and uses_pruned_forward(config(padding_free=False))
+    assert not uses_pruned_forward(DPOConfig(output_dir="unused", report_to="none", bf16=False))
+
+
+@pytest.mark.parametrize("field", ["share_prompt", "padding_free"])
+def test_exact_saving_switches_must_be_booleans(field):
+    with pytest.raises(TypeError, match=f"`{field}` must be true or false"):
+        config(**{field: "no"})
+
+
+def test_exact_savings_turn_off_from_flags_and_yaml(tmp_path):
+    from trl import TrlParser
+
+    from trl_pruned_dpo.cli.parse import make_parser
+
+    base = ["--output_dir", "x", "--bf16", "false", "--report_to", "none"]
+    parser = TrlParser((PrunedDPOConfig,))
+    (on,) = parser.parse_args_into_dataclasses(base)
+    assert on.share_prompt and on.padding_free
+    (off,) = parser.parse_args_into_dataclasses(base + ["--padding_free", "false", "--share_prompt", "false"])
+    assert not off.share_prompt and not off.padding_free and not uses_pruned_forward(off)
+    (off,) = parser.parse_args_into_dataclasses(base + ["--no_padding_free", "--no_share_prompt"])
+    assert not off.share_prompt and not off.padding_free
+    yaml = tmp_path / "off.yaml"
+    yaml.write_text(f"output_dir: {tmp_path}\nbf16: false\nreport_to: none\nshare_prompt: false\npadding_free: false\n")
+    _, off, *_ = make_parser().parse_args_and_config(["--config", str(yaml)])
+    assert not off.share_prompt and not off.padding_free and not uses_pruned_forward(off)
+
+
 def test_fields_come_from_a_parser():
     from trl import TrlParser
 
@@ -78,9 +116,23 @@ def test_trainer_promotes_a_plain_dpo_config_with_pruning_off(tokenizer, dataset
     """A drop-in takes stock's config: the same settings, pruning at its identity (TRL's own path)."""
     trainer = build_trainer(PrunedDPOTrainer, DPOConfig, tokenizer, dataset, tmp_path, beta=0.3, max_steps=1)
     assert isinstance(trainer.args, PrunedDPOConfig) and not trainer.args.pruning_enabled
+    # not PrunedDPOConfig's defaults (exact savings on): share_prompt off, the user's own padding_free (stock's False)
+    assert trainer.args.share_prompt is False and trainer.args.padding_free is False
+    assert not uses_pruned_forward(trainer.args) and not trainer._packed  # stock TRL's own code
     assert trainer.args.beta == 0.3 and trainer.args.prune_seed == trainer.args.seed
     trainer.train()
     assert not any(k.startswith("prune/") for k in trainer.state.log_history[0])
+
+
+def test_promotion_keeps_the_users_padding_free_and_turns_share_prompt_off():
+    """Promotion sets `share_prompt=False` itself (not the field's default, True) and keeps DPOConfig's `padding_free`,
+    whatever the user set: the user's explicit `padding_free=True` is honoured (packed, exact), nothing else added."""
+    for padding_free in (False, True):
+        plain = DPOConfig(output_dir="unused", report_to="none", bf16=False, padding_free=padding_free)
+        promoted = as_pruned_config(None, plain, PrunedDPOConfig)
+        assert isinstance(promoted, PrunedDPOConfig) and promoted.share_prompt is False
+        assert promoted.padding_free is padding_free and not promoted.pruning_enabled
+        assert uses_pruned_forward(promoted) is padding_free
 
 
 def test_vision_data_with_a_text_model_raises_trls_own_error(tokenizer, tmp_path):

@@ -1,6 +1,6 @@
 """Degenerate and truncated training pairs are reported once, with numbers; datasets that cannot train are refused.
-Only when the pruned forward is used (pruning off is stock, which says nothing), vectorised (checked against a naive
-per-row loop), once, on the main process.
+Only when the plugin's forward is used (every pruning and exact saving off is stock, which says nothing), vectorised
+(checked against a naive per-row loop), once, on the main process.
 
 Each case builds the trainer only (no training step): a few seconds in all.
 """
@@ -10,7 +10,7 @@ import warnings
 import pytest
 from datasets import Dataset
 
-from conftest import build_trainer, preference_rows
+from conftest import SAVINGS_OFF, build_trainer, preference_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.safety import data_checks
 
@@ -65,7 +65,7 @@ def test_every_pair_dropped_by_truncation_is_refused(tokenizer, tmp_path):
 def test_pruning_off_runs_no_check_as_stock(tokenizer, tmp_path, monkeypatch):
     rows = [{**row, "rejected": row["chosen"]} for row in preference_rows(4)]  # refused with pruning on
     monkeypatch.setattr(data_checks, "pair_findings", lambda *a: pytest.fail("checked with pruning off"))
-    assert build(tokenizer, rows, tmp_path, position_keep_prob=1.0) == []
+    assert build(tokenizer, rows, tmp_path, position_keep_prob=1.0, **SAVINGS_OFF) == []
 
 
 def test_vectorised_findings_equal_a_per_row_loop(tokenizer, tmp_path):

@@ -9,7 +9,8 @@ start-up is most of the cost) and records, per rank, every mask draw with its ba
   (`no_sync` micro-steps), a rank whose backpropagated group is empty, a PEFT reference and a precomputed one;
 - masks: each rank draws its own, reproducible from (prune_seed, step, micro-step, rank); micro-steps draw fresh
   masks; a resumed run continues the stream (same masks, same weights as the uninterrupted run);
-- pruning off, two processes: the same losses, metrics and weights as stock `trl.DPOTrainer` on two processes;
+- pruning off, two processes: the same losses, metrics and weights as stock `trl.DPOTrainer` on two processes (every
+  pruning and exact saving off: stock's code; `share_prompt` alone; and `PrunedDPOConfig`'s defaults, exact savings on);
 - FSDP2 and ZeRO-3 (parameters really sharded: each rank holds half of them) end every run on DDP's weights.
 
 On CPU: accelerate runs FSDP only on accelerator devices, so the runner's test-only shim (`allow_fsdp_on_cpu`) lets
@@ -44,6 +45,8 @@ RUNS = [
     # pruning off vs stock: gradient accumulation, so the loss scaling across ranks and micro-steps is compared too
     {"name": "stock", "trainer": "stock", "config": {"gradient_accumulation_steps": 2, "max_steps": 2}},
     {"name": "off", "trainer": "pruned", "config": {"gradient_accumulation_steps": 2, "max_steps": 2}},
+    # PrunedDPOConfig's defaults: pruning off, the exact savings (share_prompt, padding_free) on
+    {"name": "default", "trainer": "pruned", "config": {"gradient_accumulation_steps": 2, "max_steps": 2}},
     # every pruning on, gradient accumulation, a checkpoint at step 2 to resume from
     {"name": "pruned", "config": {**PRUNED, **ACCUM, "save_strategy": "steps", "save_steps": 2}},
     {"name": "resumed", "config": {**PRUNED, **ACCUM}, "resume": "pruned/checkpoint-2"},
@@ -65,6 +68,12 @@ RUNS = [
     {"name": "auto-resumed", "config": AUTO, "resume": "auto/checkpoint-4"},
     {"name": "auto-single", "config": {"branch_keep_prob": "auto", "per_device_train_batch_size": 1, "max_steps": 8}},
 ]
+# The exact savings are on by default: every plugin run but "default" spells them out (off unless it sets one), so
+# each run is what its name says ("off": stock's code).
+SAVINGS_OFF = {"share_prompt": False, "padding_free": False}
+for _run in RUNS:
+    if _run.get("trainer", "pruned") == "pruned" and _run["name"] != "default":
+        _run["config"] = {**SAVINGS_OFF, **_run["config"]}
 CONFIGS = {run["name"]: run["config"] for run in RUNS}
 
 
@@ -198,7 +207,7 @@ def test_finishes_on_both_ranks_in_sync(engine_run, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("off_run", ["off", "shared-off"])
+@pytest.mark.parametrize("off_run", ["off", "shared-off", "default"])
 def test_pruning_off_matches_stock_on_two_processes(engine_run, off_run):
     _, out = engine_run
     for rank in range(WORLD):
@@ -210,7 +219,8 @@ def test_pruning_off_matches_stock_on_two_processes(engine_run, off_run):
                     assert ho[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (rank, hs["step"], key)
             if off_run == "off":  # pruning off is TRL's own path: stock's metrics
                 assert not any(k.startswith("prune/") for k in ho)
-            else:  # share_prompt runs the plugin's forward, exactly: stock's metrics plus the prune/ fractions
+            else:  # share_prompt (alone or with padding_free) runs the plugin's forward, exactly: stock's metrics plus
+                # the prune/ fractions
                 assert ho["prune/branches_backpropagated"] == 1.0 and ho["prune/positions_scored"] == 1.0
     w_stock, w_off = weights(out, "stock", 0), weights(out, off_run, 0)
     # the packed attention rounds differently from stock's padded SDPA, and Adam's first steps move a weight by about

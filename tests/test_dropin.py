@@ -9,7 +9,7 @@ from accelerate.parallelism_config import ParallelismConfig
 from trl import DPOConfig, DPOTrainer
 
 import trl_pruned_dpo.trainer as trainer_module
-from tiny import build_trainer, first_batch, preference_rows, tiny_model, tiny_moe_model
+from tiny import SAVINGS_OFF, build_trainer, first_batch, preference_rows, tiny_model, tiny_moe_model
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.seam import _HeadRows, head_rows_scored
 from trl_pruned_dpo.reference import REF_TOKEN_COLUMNS
@@ -160,8 +160,9 @@ def test_precomputed_reference_bf16_matches_stock_and_the_live_reference(tokeniz
 
 # ------------------------------------------------------------------------ what the decoder and the head really see
 def test_decoder_and_head_see_only_the_kept_rows_and_columns(tokenizer, dataset, tmp_path):
+    """The padded layout (the exact savings off): each group's rows trimmed to its longest executed row."""
     trainer = pruned(tokenizer, dataset, tmp_path, position_keep_prob=0.5, prefix_prune_prob=0.5,
-                     branch_keep_prob=0.5, prune_reference=True)
+                     branch_keep_prob=0.5, prune_reference=True, **SAVINGS_OFF)
     batch = first_batch(trainer)
     seen = []
     hook = trainer.model.model.layers[0].register_forward_pre_hook(

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_trainer, preference_rows
+from conftest import SAVINGS_OFF, build_trainer, preference_rows
 from datasets import Dataset
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer, cli
@@ -457,13 +457,15 @@ def test_saturating_loss_with_one_hard_batch_is_not_a_divergence_by_default():
 
 
 def test_guard_default_follows_pruning(tokenizer, data, tmp_path, monkeypatch):
-    """Unset `stop_on_divergence`: on with the pruned forward, off with every pruning off (stock trains on through a
-    NaN loss: test_parity.py::test_nan_loss_trains_on_as_stock); explicit values win either way."""
+    """Unset `stop_on_divergence`: on with the plugin's forward (the defaults run it: the exact savings are on), off
+    with every pruning and exact saving off (stock trains on through a NaN loss:
+    test_parity.py::test_nan_loss_trains_on_as_stock); explicit values win either way."""
     from trl_pruned_dpo.safety.guards import stops_on_divergence
 
     base = dict(output_dir="unused", bf16=False)
     assert stops_on_divergence(PrunedDPOConfig(**base, position_keep_prob=0.5))
-    assert not stops_on_divergence(PrunedDPOConfig(**base))
+    assert not stops_on_divergence(PrunedDPOConfig(**base, **SAVINGS_OFF))
+    assert stops_on_divergence(PrunedDPOConfig(**base))  # the defaults: share_prompt and padding_free on
     assert stops_on_divergence(PrunedDPOConfig(**base, stop_on_divergence=True))
     assert not stops_on_divergence(PrunedDPOConfig(**base, position_keep_prob=0.5, stop_on_divergence=False))
     original = PrunedDPOTrainer.compute_loss
@@ -474,11 +476,11 @@ def test_guard_default_follows_pruning(tokenizer, data, tmp_path, monkeypatch):
 
     monkeypatch.setattr(PrunedDPOTrainer, "compute_loss", poisoned)
     off = trainer_for(tokenizer, data, tmp_path / "off", max_steps=3, save_strategy="no", branch_keep_prob=1.0,
-                      prefix_prune_prob=0.0)
+                      prefix_prune_prob=0.0, **SAVINGS_OFF)
     off.train()
     assert off.state.global_step == 3 and off.divergence_guard.steps == 0  # nothing read, nothing stopped
     asked = trainer_for(tokenizer, data, tmp_path / "asked", max_steps=3, save_strategy="no", branch_keep_prob=1.0,
-                        prefix_prune_prob=0.0, stop_on_divergence=True)
+                        prefix_prune_prob=0.0, stop_on_divergence=True, **SAVINGS_OFF)
     with pytest.raises(TrainingDiverged, match="diverged at step 2: loss is nan"):
         asked.train()
 

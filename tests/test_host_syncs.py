@@ -21,7 +21,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from tiny import build_trainer, preference_rows
+from tiny import SAVINGS_OFF, build_trainer, preference_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 PACKAGE = str(Path(__file__).resolve().parents[1] / "trl_pruned_dpo")
@@ -77,9 +77,12 @@ def count_reads(monkeypatch, trainer) -> Counter:
     return counts
 
 
-@pytest.mark.parametrize("pruning", ["on", "off"])
+@pytest.mark.parametrize("pruning", ["on", "on-padded", "off"])
 def test_plugin_reads_per_micro_step_optimizer_step_and_log(pruning, tokenizer, tmp_path, monkeypatch):
-    options = {"branch_keep_prob": 0.5, "position_keep_prob": 0.5, "prefix_prune_prob": 0.5} if pruning == "on" else {}
+    """"on": pruning with the default exact savings (packed); "on-padded": pruning with them off; "off": every pruning
+    and exact saving off (stock's code)."""
+    prune = {"branch_keep_prob": 0.5, "position_keep_prob": 0.5, "prefix_prune_prob": 0.5}
+    options = {"on": prune, "on-padded": {**prune, **SAVINGS_OFF}, "off": SAVINGS_OFF}[pruning]
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(preference_rows(16)),
                             tmp_path, max_steps=STEPS, gradient_accumulation_steps=ACCUMULATION,
                             per_device_train_batch_size=2, logging_steps=LOGGING, **options)
@@ -93,7 +96,7 @@ def test_plugin_reads_per_micro_step_optimizer_step_and_log(pruning, tokenizer, 
     assert logs == STEPS // LOGGING + 1  # + the end-of-training summary log
     assert counts[("micro-step", "read")] == 0 and counts[("micro-step", "collective")] == 0
     # (`log` runs inside the step end; its reads count under "log")
-    if pruning == "on":
+    if pruning != "off":
         assert counts[("step end", "read")] == STEPS  # one fused read per optimizer step: the guard (and the stop flag)
         assert counts[("log", "read")] == counts[("log", "collective")] == STEPS // LOGGING  # one per window
         logged = [h for h in trainer.state.log_history if "loss" in h]

@@ -146,3 +146,21 @@ def test_identical_responses_are_entirely_common():
     ids = torch.tensor([[7, 1, 2], [7, 1, 2]])
     completion = torch.tensor([[0, 1, 1], [0, 1, 1]])
     assert common_prefix(ids, completion[:, 1:].bool()).all()
+
+
+def test_common_prefix_of_left_padded_pairs_is_found_from_their_real_tokens():
+    """A left-padding collator: the pair's rows hold their tokens at different columns; the common prefix is the same
+    tokens as right-padded (and a pad that equals the first prompt token does not extend it)."""
+    chosen, rejected = [7, 8, 1, 2, 3, 4], [7, 8, 1, 2, 9, 4, 5]  # prompt 7 8 | response
+    ids = torch.tensor([[0] + chosen, rejected])
+    attention = torch.tensor([[0] + [1] * 6, [1] * 7])
+    completion = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1]])
+    left = common_prefix(ids, completion[:, 1:].bool(), attention)
+    right = common_prefix(torch.tensor([chosen + [0], rejected]), torch.tensor(
+        [[0, 0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1]])[:, 1:].bool())
+    assert right.long().tolist() == [[0, 1, 1, 0, 0, 0], [0, 1, 1, 0, 0, 0]]
+    assert left.long().tolist() == [[0, 0, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0]]  # the same tokens, one column later
+    ids[0, 0] = 7  # a pad equal to the first prompt token: the run still starts at each row's first real token
+    assert torch.equal(common_prefix(ids, completion[:, 1:].bool(), attention), left)
+    prompt_differs = torch.tensor([[0, 6, 8, 1, 2, 3, 4], rejected])
+    assert not common_prefix(prompt_differs, completion[:, 1:].bool(), attention).any()

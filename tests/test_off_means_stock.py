@@ -1,4 +1,5 @@
-"""Contract: with every keep probability at 1 and no prefix pruning, PrunedDPOTrainer is stock TRL DPOTrainer —
+"""Contract: with every keep probability at 1, no prefix pruning and the exact savings off (`SAVINGS_OFF`:
+`share_prompt=False, padding_free=False`), PrunedDPOTrainer is stock TRL DPOTrainer —
 same loss, same gradients, same logged metrics, up to float round-off.
 
 With pruning off, training takes TRL's own path (by construction; tests/test_parity.py checks the trainer end to
@@ -9,7 +10,7 @@ import pytest
 import torch
 from trl import DPOConfig, DPOTrainer
 
-from tiny import build_trainer, first_batch, lora_trainer, loss_and_grads, train_and_compare_histories
+from tiny import SAVINGS_OFF, build_trainer, first_batch, lora_trainer, loss_and_grads, train_and_compare_histories
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 LOSS_CASES = [
@@ -60,14 +61,15 @@ def assert_same_step(stock, pruned, batch_size=4, machinery=True):
 @pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_loss_gradients_and_metrics_equal_stock(case, tokenizer, dataset, tmp_path):
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path / "s", **case)
-    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **case)
+    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **case, **SAVINGS_OFF)
     assert_same_step(stock, pruned)
 
 
 def test_equal_stock_with_precomputed_reference(tokenizer, dataset, tmp_path):
     kw = {"precompute_ref_log_probs": True, "ld_alpha": 0.7}
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path / "s", **kw)
-    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **kw)
+    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **kw,
+                           **SAVINGS_OFF)
     # the stored sums agree with TRL's
     for column in ("ref_chosen_logps", "ref_rejected_logps"):
         torch.testing.assert_close(torch.tensor(pruned.train_dataset[column]), torch.tensor(stock.train_dataset[column]),
@@ -77,18 +79,18 @@ def test_equal_stock_with_precomputed_reference(tokenizer, dataset, tmp_path):
 
 @pytest.mark.parametrize("precompute", [False, True])
 def test_equal_stock_with_peft(tokenizer, dataset, tmp_path, precompute):
-    def make(trainer_cls, config_cls, out):
+    def make(trainer_cls, config_cls, out, **extra):
         return lora_trainer(trainer_cls, config_cls, tokenizer, dataset, out, per_device_train_batch_size=4,
-                            precompute_ref_log_probs=precompute)
+                            precompute_ref_log_probs=precompute, **extra)
 
-    assert_same_step(make(DPOTrainer, DPOConfig, tmp_path / "s"), make(PrunedDPOTrainer, PrunedDPOConfig, tmp_path / "p"),
-                     machinery=not precompute)
+    assert_same_step(make(DPOTrainer, DPOConfig, tmp_path / "s"),
+                     make(PrunedDPOTrainer, PrunedDPOConfig, tmp_path / "p", **SAVINGS_OFF), machinery=not precompute)
 
 
 def test_training_run_logs_the_same_history(tokenizer, dataset, tmp_path):
     """Two optimizer steps through Trainer.train(): every TRL metric logged at every step matches."""
     kw = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path / "s", **kw)
-    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **kw)
+    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **kw, **SAVINGS_OFF)
     for hs, hp in train_and_compare_histories(stock, pruned):
         assert hp.keys() == hs.keys()  # pruning off logs exactly stock's metrics

@@ -60,6 +60,11 @@ FALLBACK = [  # (family, what the one warning must name)
 ]
 
 
+# One exact saving alone (both are on by default): the other spelled out off.
+ONLY = {"padding_free": dict(padding_free=True, share_prompt=False),
+        "share_prompt": dict(share_prompt=True, padding_free=False)}
+
+
 def assert_exact(stock, pruned, batch_size=8, checkpointing=False):
     """CPU fp32: loss within 1e-5, every parameter's gradient within 1e-4 of its largest entry (+ a round-off floor)."""
     for trainer in (stock, pruned):
@@ -78,8 +83,8 @@ def assert_exact(stock, pruned, batch_size=8, checkpointing=False):
         assert float((grads_p[name] - grads_s[name]).abs().max()) <= 1e-4 * scale + floor, name
 
 
-def pair_of_trainers(build, tokenizer, tmp_path, stock_kw=None, **pruned_kw):
-    data = Dataset.from_list(edge_rows())
+def pair_of_trainers(build, tokenizer, tmp_path, stock_kw=None, rows=None, **pruned_kw):
+    data = Dataset.from_list(rows or edge_rows())
     model = build(tokenizer)
     kw = dict(per_device_train_batch_size=8, max_length=48)  # 48: the longest pairs are truncated
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "stock", model=copy.deepcopy(model),
@@ -93,7 +98,7 @@ def pair_of_trainers(build, tokenizer, tmp_path, stock_kw=None, **pruned_kw):
 @pytest.mark.parametrize("setting", ["padding_free", "share_prompt"])
 @pytest.mark.parametrize("build", EXACT, ids=lambda b: b.__name__)
 def test_family_packed_equals_stock(build, setting, checkpointing, tokenizer, tmp_path):
-    stock, pruned = pair_of_trainers(build, tokenizer, tmp_path, **{setting: True})
+    stock, pruned = pair_of_trainers(build, tokenizer, tmp_path, **ONLY[setting])
     assert pruned._packed and (pruned._share_backend is not None) == (setting == "share_prompt")
     assert_exact(stock, pruned, checkpointing=checkpointing)
     stats = pruned.last_prune_stats
@@ -108,7 +113,7 @@ def test_family_packed_equals_stock(build, setting, checkpointing, tokenizer, tm
 def test_checkpointing_recomputes_packed(tokenizer, tmp_path, monkeypatch):
     """Gradient checkpointing replays the layers in the backward, after the forward returned: the replay must run the
     packed attention again (with the user's backend it would attend across the whole packed row)."""
-    stock, pruned = pair_of_trainers(family("llama"), tokenizer, tmp_path, padding_free=True)
+    stock, pruned = pair_of_trainers(family("llama"), tokenizer, tmp_path, **ONLY["padding_free"])
     pruned.model.gradient_checkpointing_enable(pruned.args.gradient_checkpointing_kwargs)
     calls, original = [], attention._per_segment
     monkeypatch.setattr(attention, "_per_segment", lambda *a, **k: (calls.append(torch.is_grad_enabled()),
@@ -121,15 +126,55 @@ def test_checkpointing_recomputes_packed(tokenizer, tmp_path, monkeypatch):
     assert_exact(stock, pruned, checkpointing=True)
 
 
-@pytest.mark.parametrize("build, reason", FALLBACK, ids=[b.__name__ for b, _ in FALLBACK])
-def test_fallback_one_line_and_exact(build, reason, tokenizer, tmp_path):
-    """Outside the allowlist: one warning naming the property, the padded path, stock's numbers, no crash."""
+def test_default_config_trains_packed_and_matches_stock(tokenizer, dataset, tmp_path):
+    """Issue 20: `PrunedDPOConfig()`'s defaults (pruning off, both exact savings on) on a supported model train packed,
+    prompts shared, no padding executed, with stock DPOTrainer's loss (1e-5 at step 1) and logged metrics."""
+    stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path / "s")
+    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p")
+    args = pruned.args
+    assert args.share_prompt and args.padding_free and not args.pruning_enabled  # the defaults, nothing passed
+    assert pruned._packed and pruned._share_backend is not None
+    (step1_s, step1_p), _ = train_and_compare_histories(stock, pruned)
+    assert abs(step1_p["loss"] - step1_s["loss"]) <= 1e-5
+    stats = pruned.last_prune_stats  # the last micro-step's counts: every executed token is a needed real one, the
+    needed = stats["tokens_needed"] - stats["rows"]  # shared prompt starts once (`tokens_needed` counts each row's
+    assert 0 < stats["policy_tokens_executed"] < needed  # last label token too); padding executed: none
+    assert stats["shared_pairs"] > 0
+    assert step1_p["prune/pairs_shared"] > 0 and 0 < step1_p["prune/tokens_executed"] < 1
+    assert step1_p["prune/positions_scored"] == step1_p["prune/branches_backpropagated"] == 1.0  # nothing pruned
+
+
+def test_default_config_falls_back_on_an_unsupported_model(tokenizer, tmp_path):
+    """The defaults on a model the packed layout cannot express exactly (Gemma 2: soft-capped scores): one line naming
+    why, padded rows (with pruning off, TRL's own forward), stock's numbers, and training runs."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stock, pruned = pair_of_trainers(build, tokenizer, tmp_path, padding_free=True, share_prompt=True)
+        stock, pruned = pair_of_trainers(family("gemma2"), tokenizer, tmp_path)
+    assert pruned.args.share_prompt and pruned.args.padding_free  # the defaults
+    messages = [str(w.message) for w in caught if "ignored" in str(w.message)]
+    assert len(messages) == 1 and "padding_free and share_prompt ignored" in messages[0], messages
+    assert "soft-capped" in messages[0] and "\n" not in messages[0]
+    assert not pruned._packed and pruned._share_backend is None
+    assert_exact(stock, pruned)
+    pruned.train()
+    losses = [h["loss"] for h in pruned.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("estimator", [False, True], ids=["exact-only", "with-common-prefix"])
+@pytest.mark.parametrize("build, reason", FALLBACK, ids=[b.__name__ for b, _ in FALLBACK])
+def test_fallback_one_line_and_exact(build, reason, estimator, tokenizer, tmp_path):
+    """Outside the allowlist: one warning naming the property, stock's numbers, no crash. With only the exact savings
+    on, TRL's own forward runs; with an estimator on (the common prefix: exact for sigmoid), the plugin's padded rows."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stock, pruned = pair_of_trainers(build, tokenizer, tmp_path, padding_free=True, share_prompt=True,
+                                         prune_common_prefix=estimator)
     messages = [str(w.message) for w in caught if "padding_free and share_prompt ignored" in str(w.message)]
     assert len(messages) == 1 and reason in messages[0], messages
     assert not pruned._packed and pruned._share_backend is None
+    assert pruned._uses_pruned_forward == estimator
+    assert ("TRL's own forward runs" in messages[0]) != estimator
     assert_exact(stock, pruned)
 
 
@@ -145,7 +190,7 @@ def test_reference_runs_the_policys_attention_path(tokenizer, tmp_path):
     kw = dict(per_device_train_batch_size=8)
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "s", model=copy.deepcopy(model),
                           ref_model=copy.deepcopy(reference), **kw)
-    for extra in (dict(share_prompt=True), dict(padding_free=True)):
+    for extra in (ONLY["share_prompt"], ONLY["padding_free"]):
         pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p",
                                model=copy.deepcopy(model), ref_model=copy.deepcopy(reference), **kw, **extra)
         assert_exact(stock, pruned)
@@ -164,14 +209,27 @@ def left_padding(collator):
     return collate
 
 
+@pytest.mark.parametrize("common", [False, True], ids=["", "common-prefix"])
 @pytest.mark.parametrize("setting", ["padding_free", "share_prompt"])
-def test_left_padded_batches_pack_their_real_tokens(setting, tokenizer, tmp_path):
-    stock, pruned = pair_of_trainers(family("llama"), tokenizer, tmp_path, **{setting: True})
+def test_left_padded_batches_pack_their_real_tokens(setting, common, tokenizer, tmp_path):
+    """A user's left-padding collator: the rows are packed from their real tokens, and the common prefix is found
+    from them too (the pair's rows sit at different columns): stock's numbers, the common prefix skipped."""
+    rows = edge_rows()[:7] + [{"prompt": "r: ", "chosen": "a common start, x", "rejected": "a common start, then more"}]
+    stock, pruned = pair_of_trainers(family("llama"), tokenizer, tmp_path, rows=rows, **ONLY[setting],
+                                     prune_common_prefix=common)
+    original = pruned.data_collator.collator
     stock.data_collator = left_padding(stock.data_collator)
-    pruned.data_collator.collator = left_padding(pruned.data_collator.collator)
+    pruned.data_collator.collator = left_padding(original)
     batch = first_batch(pruned, 8)
     assert bool((batch["attention_mask"][:, 0] == 0).any())  # really left-padded
     assert_exact(stock, pruned)
+    if common:  # found despite the padding: as many cells skipped as in the right-padded batch
+        skipped = [int((~pruned._last_masks.exact & batch["completion_mask"][:, 1:].bool()).sum())]
+        pruned.data_collator.collator = original
+        batch = first_batch(pruned, 8)
+        loss_and_grads(pruned, batch)
+        skipped.append(int((~pruned._last_masks.exact & batch["completion_mask"][:, 1:].bool()).sum()))
+        assert skipped[0] == skipped[1] > 0, skipped
 
 
 @pytest.mark.parametrize("precompute", [False, True])
@@ -183,7 +241,7 @@ def test_peft_and_precomputed_reference_padding_free(precompute, tokenizer, tmp_
                             precompute_ref_log_probs=precompute, **extra)
 
     assert_exact(make(DPOTrainer, DPOConfig, "stock"), make(PrunedDPOTrainer, PrunedDPOConfig, "pf",
-                                                          padding_free=True), checkpointing=True)
+                                                          **ONLY["padding_free"]), checkpointing=True)
 
 
 def test_gradient_accumulation_history_equals_stock(tokenizer, tmp_path):
@@ -295,7 +353,7 @@ def test_plan_has_no_padding_and_packs_left_padded_rows():
 def test_attention_is_restored_and_delegates_meanwhile(tokenizer, tmp_path):
     """Between a packed step and the trainer's next stock forward the configs name the packed attention; a forward
     without packed metadata then is the user's backend's, mask included (left padding here). Evaluation restores."""
-    stock, pruned = pair_of_trainers(family("qwen2"), tokenizer, tmp_path, share_prompt=True)
+    stock, pruned = pair_of_trainers(family("qwen2"), tokenizer, tmp_path, **ONLY["share_prompt"])
     loss_and_grads(pruned, first_batch(pruned, 8))
     assert pruned.model.config._attn_implementation == attention.PACKED
     assert pruned.ref_model.config._attn_implementation == attention.PACKED

@@ -2,6 +2,10 @@
 `trl.DPOTrainer` and through `PrunedDPOTrainer` with pruning off, and must end the same way: both succeed with the
 same logged history and the same final weights, or both raise the same exception type with the same message.
 
+"Pruning off" is every pruning and both exact savings off (`SAVINGS_OFF`: `share_prompt=False, padding_free=False`,
+on by default): the plugin then runs stock TRL's own code, hence bit-identical weights. The defaults (exact savings
+on) are compared with stock to round-off in test_default_config_trains_packed_and_matches_stock.
+
 Each scenario is a function of (trainer class, config class, output dir) returning a summary of what it produced.
 """
 
@@ -15,10 +19,17 @@ from datasets import Dataset, DatasetDict, IterableDatasetDict
 from peft import LoraConfig, get_peft_model
 from trl import DPOConfig, DPOTrainer
 
-from tiny import char_tokenizer, preference_rows, tiny_model, tiny_moe_model
+from tiny import SAVINGS_OFF, char_tokenizer, preference_rows, tiny_model, tiny_moe_model
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
-STOCK, PLUGIN = (DPOTrainer, DPOConfig), (PrunedDPOTrainer, PrunedDPOConfig)
+
+
+def plugin_config(**kw):
+    """The plugin's config on stock's path: every pruning (at its default) and both exact savings off."""
+    return PrunedDPOConfig(**{**SAVINGS_OFF, **kw})
+
+
+STOCK, PLUGIN = (DPOTrainer, DPOConfig), (PrunedDPOTrainer, plugin_config)
 TOKENIZER = char_tokenizer()
 ARGS = dict(per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=1, learning_rate=1e-2,
             report_to="none", bf16=False, logging_steps=1, save_strategy="no", disable_tqdm=True)
@@ -262,7 +273,7 @@ def test_evaluate_with_pruning_on_matches_stock(kind, precompute, tmp_path):
     """Evaluation is never pruned: with pruning on, `evaluate` ends as stock's (the same error, or the same metrics up
     to round-off: the plugin's precomputed reference sums come from its compact head)."""
     def scenario(trainer_cls, config_cls, out):
-        pruning = {"position_keep_prob": 0.5} if config_cls is PrunedDPOConfig else {}
+        pruning = {"position_keep_prob": 0.5} if config_cls is plugin_config else {}
         args = config_cls(output_dir=out, **{**ARGS, "precompute_ref_log_probs": precompute, **pruning})
         trainer = trainer_cls(model=saved(), args=args, train_dataset=data(2), processing_class=TOKENIZER)
         return trainer.evaluate(eval_dataset=eval_split(kind))
@@ -309,7 +320,7 @@ def test_stock_checkpoint_resumes(pruning, tmp_path, caplog):
 
     def scenario(trainer_cls, config_cls, out):
         checkpointed(out)
-        pruning_options = {"position_keep_prob": 0.5} if pruning == "on" and config_cls is PrunedDPOConfig else {}
+        pruning_options = {"position_keep_prob": 0.5} if pruning == "on" and config_cls is plugin_config else {}
         args = config_cls(output_dir=out, **{**ARGS, "max_steps": 3, **pruning_options})
         trainer = trainer_cls(model=saved(), args=args, train_dataset=data(), processing_class=TOKENIZER)
         trainer.train(resume_from_checkpoint=True)

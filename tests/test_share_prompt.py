@@ -12,13 +12,17 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import DPOConfig, DPOTrainer
 
 from conftest import (
-    build_trainer, first_batch, lora_trainer, loss_and_grads, preference_rows, tiny_model, train_and_compare_histories,
+    SAVINGS_OFF, build_trainer, first_batch, lora_trainer, loss_and_grads, preference_rows, tiny_model,
+    train_and_compare_histories,
 )
 from test_off_means_stock import assert_same_step
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import PruneMasks
 from trl_pruned_dpo.method.attention import PACKED
 from trl_pruned_dpo.method.plan import HostBatch, common_tokens, plan_group, plan_policy, shared_is_cheaper
+
+# `share_prompt` alone (`padding_free`, also on by default, off); "unshared" below is `SAVINGS_OFF`, both off.
+SHARED = dict(share_prompt=True, padding_free=False)
 
 
 def edge_rows():
@@ -76,10 +80,10 @@ def test_shared_equals_unshared_and_stock(build, attn, case, tokenizer, tmp_path
     def make(cls, config, name, **extra):
         return build_trainer(cls, config, tokenizer, data, tmp_path / name, model=copy.deepcopy(model), **kw, **extra)
 
-    shared = make(PrunedDPOTrainer, PrunedDPOConfig, "shared", share_prompt=True)
+    shared = make(PrunedDPOTrainer, PrunedDPOConfig, "shared", **SHARED)
     assert shared._share_backend == PACKED and shared._packed
     assert_same_step(make(DPOTrainer, DPOConfig, "stock"), shared, batch_size=8)
-    unshared = make(PrunedDPOTrainer, PrunedDPOConfig, "unshared")
+    unshared = make(PrunedDPOTrainer, PrunedDPOConfig, "unshared", **SAVINGS_OFF)
     assert_same_loss_and_grads(unshared, shared)
     stats = shared.last_prune_stats
     assert stats["policy_tokens_executed"] < stats["full_tokens"]  # the prompts ran once
@@ -101,8 +105,8 @@ def test_stacked_with_pruning_same_estimate(pruning, checkpointing, tokenizer, t
     """Same seed, same masks: the shared execution gives the unshared pruned estimate exactly (loss and gradient)."""
     data = Dataset.from_list(edge_rows())
     kw = dict(per_device_train_batch_size=8, gradient_checkpointing=checkpointing, **PRUNINGS[pruning])
-    unshared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "u", **kw)
-    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "s", share_prompt=True, **kw)
+    unshared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "u", **kw, **SAVINGS_OFF)
+    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "s", **SHARED, **kw)
     for _ in range(3):  # three micro-steps: three different draws
         assert_same_loss_and_grads(unshared, shared)
         assert shared.last_prune_stats["policy_tokens_executed"] < unshared.last_prune_stats["policy_tokens_executed"]
@@ -116,12 +120,12 @@ def test_peft_and_precomputed_reference(precompute, tokenizer, tmp_path):
         return lora_trainer(cls, config, tokenizer, data, tmp_path / out, per_device_train_batch_size=8,
                             precompute_ref_log_probs=precompute, **extra)
 
-    shared = make(PrunedDPOTrainer, PrunedDPOConfig, "s", share_prompt=True)
+    shared = make(PrunedDPOTrainer, PrunedDPOConfig, "s", **SHARED)
     assert_same_step(make(DPOTrainer, DPOConfig, "stock"), shared, batch_size=8)
     # with branch pruning the frozen branches run under no_grad with the adapter on (the policy, not the reference)
-    kw = dict(share_prompt=True, branch_keep_prob=0.5)
+    kw = dict(SHARED, branch_keep_prob=0.5)
     a = make(PrunedDPOTrainer, PrunedDPOConfig, "a", **kw)
-    b = make(PrunedDPOTrainer, PrunedDPOConfig, "b", branch_keep_prob=0.5)
+    b = make(PrunedDPOTrainer, PrunedDPOConfig, "b", branch_keep_prob=0.5, **SAVINGS_OFF)
     b.model.load_state_dict(a.model.state_dict())
     assert_same_loss_and_grads(b, a)
 
@@ -130,7 +134,7 @@ def test_gradient_accumulation_history_equals_stock(tokenizer, tmp_path):
     data = Dataset.from_list(edge_rows())
     kw = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "s", **kw)
-    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p", share_prompt=True, **kw)
+    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p", **SHARED, **kw)
     for _, hp in train_and_compare_histories(stock, shared):
         assert hp["prune/pairs_shared"] == 1.0
 
@@ -198,7 +202,7 @@ def test_unsupported_model_falls_back_with_one_warning(tokenizer, dataset, tmp_p
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path, model=model,
-                                share_prompt=True)
+                                **SHARED)
     messages = [str(w.message) for w in caught if "share_prompt" in str(w.message)]
     assert len(messages) == 1 and "sliding_attention" in messages[0]
     assert trainer._share_backend is None and not trainer._packed
@@ -206,19 +210,27 @@ def test_unsupported_model_falls_back_with_one_warning(tokenizer, dataset, tmp_p
     assert torch.isfinite(loss) and "shared_pairs" not in trainer.last_prune_stats
 
 
-def test_moe_router_aux_loss_falls_back_with_one_warning(tokenizer, dataset, tmp_path):
+@pytest.mark.parametrize("pruning", ["off", "on"])
+def test_moe_router_aux_loss_falls_back_with_one_warning(pruning, tokenizer, dataset, tmp_path):
     """TRL's fused head computes the router aux loss with the attention mask, which a packed row replaces by a 4D one:
-    MoE models with the aux loss on run unshared (exact), with the reason said once."""
+    MoE models with the aux loss on run unshared (exact), with the reason said once. With pruning on, the plugin's
+    padded forward (the grad rows' own aux loss); with only the exact saving on, TRL's own forward."""
     from tiny import tiny_moe_model
 
+    prune = {"position_keep_prob": 0.5} if pruning == "on" else {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path,
-                                model=tiny_moe_model(tokenizer), share_prompt=True)
+                                model=tiny_moe_model(tokenizer), **SHARED, **prune)
     messages = [str(w.message) for w in caught if "share_prompt" in str(w.message)]
     assert len(messages) == 1 and "router auxiliary loss" in messages[0]
+    assert trainer._share_backend is None and not trainer._packed
     loss, _ = loss_and_grads(trainer, first_batch(trainer))
-    assert torch.isfinite(loss) and trainer._grad_rows_aux_loss is not None
+    assert torch.isfinite(loss)
+    if pruning == "on":
+        assert trainer._uses_pruned_forward and trainer._grad_rows_aux_loss is not None
+    else:
+        assert not trainer._uses_pruned_forward and "TRL's own forward" in messages[0]
 
 
 def test_config_rejects_non_bool(tmp_path):
@@ -234,7 +246,7 @@ def test_one_sync_and_one_checkpointing_toggle_per_micro_step(share, tokenizer, 
     """Device-side code (trainer.py, execute.py) converts a tensor to Python at most once per micro-step (the logged
     counts); the plan (plan.py, masks.py) reads host tensors only. Gradient checkpointing is toggled at most once."""
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path, share_prompt=share,
-                            branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5)
+                            padding_free=False, branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5)
     batch = first_batch(trainer)
     assert isinstance(batch["host_batch"], HostBatch) and batch["host_batch"].input_ids.device.type == "cpu"
     calls = []

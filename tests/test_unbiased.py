@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import trl_pruned_dpo.trainer as trainer_module
-from tiny import build_trainer, first_batch
+from tiny import SAVINGS_OFF, build_trainer, first_batch
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 IDENTITY = dict(position_keep_prob=1.0, prefix_prune_prob=0.0, branch_keep_prob=1.0, prune_common_prefix=False)
@@ -53,7 +53,11 @@ def max_z(samples, exact):
 @pytest.fixture()
 def make(tokenizer, dataset, tmp_path):
     def make(**pruning):
-        trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path, **pruning)
+        # the padded layout (the exact savings, on by default, off): with shared prompts the cost model may run both
+        # branches of every pair with grad, so branch pruning (and its negative control) would have nothing to drop;
+        # the packed layout gives the same estimate under the same masks (test_share_prompt.py)
+        trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path,
+                                **{**SAVINGS_OFF, **pruning})
         return trainer, first_batch(trainer)
 
     return make

@@ -72,6 +72,10 @@ QUIET_TRAINING = dict(
 )
 BASE_ARGS = dict(output_dir="unused", per_device_train_batch_size=4, per_device_eval_batch_size=4, **QUIET_TRAINING)
 
+# PrunedDPOConfig's two exact savings (on by default), off: with every pruning off too (`uses_pruned_forward` False),
+# PrunedDPOTrainer runs stock TRL's own code. Tests of "pruning off is stock" pass it explicitly.
+SAVINGS_OFF = dict(share_prompt=False, padding_free=False)
+
 
 def build_trainer(trainer_cls, config_cls, tokenizer, train_dataset, tmp_path, *, model=None, ref_model="copy",
                   seed=0, **overrides):

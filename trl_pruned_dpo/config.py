@@ -50,7 +50,9 @@ def keep_prob_or_auto(value):
 class PrunedDPOConfig(DPOConfig):
     r"""
     Configuration of [`PrunedDPOTrainer`]: every [`~trl.DPOConfig`] field, plus the pruning fields below. With the
-    defaults (keep probabilities 1, no prefix pruning) training is the stock DPO computation.
+    defaults (keep probabilities 1, no prefix pruning) training is the stock DPO computation, run with the two exact
+    savings on (`share_prompt`, `padding_free`: the same per-token log-probs, fewer tokens executed). With those two
+    off as well (`share_prompt=False, padding_free=False`), it is stock TRL's own code.
 
     One departure from `DPOConfig`'s defaults: `bf16` left unset becomes `False` on a machine without bf16 support
     (no bf16 GPU, no XLA: e.g. a CPU-only one), where `DPOConfig`'s unset-means-`True` makes transformers refuse to
@@ -87,12 +89,19 @@ class PrunedDPOConfig(DPOConfig):
             no loss value, removes their cost, and removes the aligned part of the two branch gradients that makes
             single-branch estimates noisy. With it on, the logged per-branch rewards and log-probs exclude the
             common prefix (their difference, the margin, is unchanged).
-        share_prompt (`bool`, *optional*, defaults to `False`):
+        share_prompt (`bool`, *optional*, defaults to `True`):
             Run each pair's prompt and the response start its chosen and rejected share once, as one packed
             sequence [shared | rest of chosen | rest of rejected] with a mask in which each branch sees the shared
             part and itself only (docs/method.md, "Packed layout"). Exact: the same per-token log-probs as the
-            unshared forward, for every loss type, for the policy and the reference. Models whose attention cannot
-            take such a mask fall back to the unshared forward with one warning.
+            unshared forward, for every loss type, for the policy and the reference. On models the packed layout does
+            not support, one warning names why and training runs TRL's own forward (with every pruning off) or the
+            plugin's padded rows (with one on). Off:
+            `share_prompt=False, padding_free=False`, which with every pruning off restores stock TRL's own code.
+        padding_free (`bool`, *optional*, defaults to `True`):
+            [`~trl.DPOConfig`]'s own field, which stock TRL 1.16 ignores (it pads); honoured here: several pairs per
+            row, no padding tokens executed. Exact, like `share_prompt`, and falls back like it (the same one warning)
+            on models the packed layout does not support. A plain `DPOConfig` passed to the trainer
+            keeps its own value (`False` by default) and `share_prompt=False`: stock behaviour.
         prune_seed (`int`, *optional*):
             Seed of the mask generator (an integer). Defaults to `seed`. Masks are a function of (prune_seed, global step,
             micro-step, process rank) only; they never draw from the global RNG.
@@ -100,8 +109,9 @@ class PrunedDPOConfig(DPOConfig):
             Checkpoints store the pruning fields above; resuming with other values is refused unless this is set.
         stop_on_divergence (`bool`, *optional*):
             Stop training when a step's loss or gradient norm is non-finite, without checkpointing that step, naming
-            the last complete checkpoint (trl_pruned_dpo/safety/guards.py). Unset: on when the pruned forward is used,
-            off with every pruning off (stock trains on).
+            the last complete checkpoint (trl_pruned_dpo/safety/guards.py). Unset: on when the plugin's forward is used
+            (the default, `share_prompt`/`padding_free` on), off with every pruning and exact saving off (stock trains
+            on).
         divergence_factor (`float`, *optional*):
             Also stop when a step's |loss| or gradient norm is this many times the median of the steps before it. Off
             by default: a saturating DPO loss (median |loss| ~1e-4) meets one ordinary hard batch (loss ~0.7) as a
@@ -146,10 +156,19 @@ class PrunedDPOConfig(DPOConfig):
         },
     )
     share_prompt: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Run each pair's prompt and common response start once, chosen and rejected packed behind it "
-            "(exact; docs/method.md, 'Packed layout')."
+            "(exact; on by default; falls back, with one warning, on models the packed layout does not support; "
+            "docs/method.md, 'Packed layout'). Off: `--share_prompt false --padding_free false`."
+        },
+    )
+    padding_free: bool = field(  # DPOConfig's field, default False there and ignored by stock TRL 1.16
+        default=True,
+        metadata={
+            "help": "Pack several pairs per row, no padding (exact; on by default; falls back, with one warning, on "
+            "models the packed layout does not support). Stock TRL ignores this field; `--padding_free false` "
+            "turns it off."
         },
     )
     prune_seed: int | None = field(
@@ -245,8 +264,9 @@ class PrunedDPOConfig(DPOConfig):
         unknown = [loss for loss in self.loss_type if loss not in TRL_LOSS_TYPES]
         if unknown and self.pruning_enabled:  # pruning off: TRL's own (later) error, as stock
             raise ValueError(f"Unknown `loss_type` {unknown}: choose among {list(TRL_LOSS_TYPES)}.")
-        if not isinstance(self.share_prompt, bool):
-            raise TypeError(f"`share_prompt` must be true or false, got {self.share_prompt!r}.")
+        for name in ("share_prompt", "padding_free"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be true or false, got {getattr(self, name)!r}.")
         if self.branch_sampling not in BRANCH_SAMPLINGS:
             raise ValueError(
                 f"`branch_sampling` must be one of {list(BRANCH_SAMPLINGS)}, got {self.branch_sampling!r}."

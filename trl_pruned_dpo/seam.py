@@ -83,11 +83,19 @@ class Replay:
         return self.outputs
 
 
+# What a plain `DPOConfig` promoted by `as_pruned_config` carries where `PrunedDPOConfig`'s default is not stock's:
+# `share_prompt` (on by default) is off. `padding_free` is a `DPOConfig` field, so the user's own value is kept (stock's
+# default, False). With every pruning off too, `uses_pruned_forward` is False: stock TRL's own code runs.
+PROMOTED_OVERRIDES = {"share_prompt": False}
+
+
 def as_pruned_config(model, args, config_class):
     """The trainer's config: stock's default when `args` is None, a plain `DPOConfig` promoted with pruning off.
 
     A promoted config is the same settings object (its `__dict__` is shared, nothing re-validated or re-derived),
-    carrying the pruning fields at their identity defaults, so swapping the class changes nothing a user passed.
+    carrying the pruning fields at their identity values (`PROMOTED_OVERRIDES` where the field default is not the
+    identity: `share_prompt=False`) and the user's own `padding_free`, so swapping only the trainer class changes
+    nothing a user passed and runs stock's code.
     """
     if args is None:  # stock: DPOConfig(f"{model_name}-DPO")
         model_name = model if isinstance(model, str) else get_config_model_id(model.config)
@@ -98,7 +106,7 @@ def as_pruned_config(model, args, config_class):
     promoted.__dict__ = args.__dict__
     for f in dataclasses.fields(config_class):
         if f.name not in promoted.__dict__:
-            setattr(promoted, f.name, f.default)
+            setattr(promoted, f.name, PROMOTED_OVERRIDES.get(f.name, f.default))
     promoted.prune_seed = args.seed
     return promoted
 

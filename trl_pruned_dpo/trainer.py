@@ -53,6 +53,43 @@ def _masks_to(masks: PruneMasks, device) -> PruneMasks:
                          for f in dataclasses.fields(masks)})
 
 
+def _stock_instead(args, refusal: ValueError | str) -> str | None:
+    """What the plugin's forward cannot do. With an estimator on, a refusal (ValueError) is raised and a reason returns
+    None (the padded path takes it); with only the exact savings on, TRL's own forward runs instead, said in one line:
+    returns why."""
+    if args.pruning_enabled:
+        if isinstance(refusal, ValueError):
+            raise refusal
+        return None
+    wanted = " and ".join(n for n in ("padding_free", "share_prompt") if getattr(args, n, False))
+    warnings.warn(f"{wanted} ignored: {str(refusal).rstrip('.')}. TRL's own forward runs (exact; pruning is off).",
+                  stacklevel=4)
+    return str(refusal)
+
+
+def _before_train(trainer, resume_from_checkpoint):
+    """The run state a `train()` starts from (safety/): the checkpoint to resume (said where it needs a note), the
+    guard's, auto's and the logging window's state from it; the checks and warnings of pruned training."""
+    from transformers.utils import logging
+
+    args = trainer.args
+    if trainer.train_dataset is not None and trainer._uses_pruned_forward:  # pruning off: stock's own error
+        guards.check_not_empty(trainer.train_dataset, args)
+    resume, note = checkpoints.resolve_resume(resume_from_checkpoint, args)
+    if note and trainer.is_world_process_zero():
+        logging.get_logger(__name__).warning(note)
+    trainer.resumed_from, trainer.restored_logging_window = resume, False
+    trainer._step_loss, trainer._diverged = None, None
+    trainer._pending_run_state = checkpoints.read_run_state(resume, args.process_index) if resume else None
+    if trainer._auto_probs is not None:  # its statistics and choice: a resume draws the masks of no resume
+        trainer._auto_probs.load_state_dict((trainer._pending_run_state or {}).get("auto"))
+    trainer.divergence_guard = guards.DivergenceGuard.from_run_state(trainer._pending_run_state, args.divergence_factor)
+    if trainer._uses_pruned_forward:  # pruning off: stock says nothing
+        guards.warn_before_training(args)
+    metrics.discard_pending(trainer)
+    return resume
+
+
 class PrunedDPOTrainer(DPOTrainer):
     """DPO with stochastic pruning of the computation graph. Same constructor as `trl.DPOTrainer`.
 
@@ -67,28 +104,32 @@ class PrunedDPOTrainer(DPOTrainer):
         if args.dataloader_pin_memory and not torch.accelerator.is_available():
             args.dataloader_pin_memory = False  # a no-op without an accelerator, but torch warns at every loader
         train_dataset = kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None)
+        self._stock_reason = None  # why a run with only the exact savings on is TRL's own (they need what it lacks)
         if uses_pruned_forward(args):  # refuse what the pruned forward cannot do, before TRL's precompute runs
-            check_prunable(args, train_dataset, kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None))
+            try:
+                check_prunable(args, train_dataset, kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None))
+            except ValueError as refusal:
+                self._stock_reason = _stock_instead(args, refusal)
             check_compact_lm_head()
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
         self._grad_rows_aux_loss = self._auto_probs = None  # the MoE router loss of the grad rows; "auto" (auto.py)
-        self._share_backend = None  # resolved below, once the model is prepared (precompute runs unshared)
-        with trl_padding_free_notice_hidden(uses_pruned_forward(args) and args.padding_free):  # the plugin honours it
+        with trl_padding_free_notice_hidden(uses_pruned_forward(args) and args.padding_free):  # the plugin says it
             super().__init__(model, ref_model, args, *pargs, **kwargs)
-        if uses_pruned_forward(args):
+        if self._uses_pruned_forward:
             check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (one rank)
             if self._is_vision_dataset:  # a processor not passed in (loaded by TRL): known only now
-                raise ValueError(VISION_ERROR)
+                self._stock_reason = _stock_instead(args, ValueError(VISION_ERROR))
+        self._share_backend = self._shared_prompt_backend() if self._uses_pruned_forward else None  # (or stock)
+        if self._uses_pruned_forward:
             self.data_collator = pruned_collator(self.data_collator, args, self.train_dataset)
-            self._share_backend = self._shared_prompt_backend()
         if args.auto_keep_probs:
             self._auto_probs = AutoKeepProbs(args, self.accelerator.unwrap_model(self.model).config, self)
             self.add_callback(self._auto_probs)  # it reads the gradient norms of each step (auto.py)
 
     @property
     def _uses_pruned_forward(self) -> bool:
-        return uses_pruned_forward(self.args)
+        return uses_pruned_forward(self.args) and self._stock_reason is None
 
     # ----------------------------------------------------------------------------------------------------------- data
     def _set_signature_columns_if_needed(self):
@@ -128,7 +169,8 @@ class PrunedDPOTrainer(DPOTrainer):
         micro = self._mask_step[1] + 1 if self._mask_step[0] == step else 0
         self._mask_step = (step, micro)
         generator = mask_generator(self.args.prune_seed, step, micro, self.accelerator.process_index)
-        return draw_masks(host.input_ids, host.completion_mask, **self._mask_options(inputs), generator=generator)
+        return draw_masks(host.input_ids, host.completion_mask, **self._mask_options(inputs), generator=generator,
+                          attention_mask=host.attention_mask)
 
     _packed = False  # whether the forward runs packed (padding_free / share_prompt on a model the packed path takes)
 
@@ -141,12 +183,13 @@ class PrunedDPOTrainer(DPOTrainer):
             return None
         models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
         models = [m.get_base_model() if is_peft_model(m) else m for m in models]
-        reason = ("the MoE router auxiliary loss needs the padded batch" if self.aux_loss_enabled else None)
-        for model in models:
-            reason = reason or attention.unsupported_reason(model, args.max_length)
+        reasons = [attention.unsupported_reason(model, args.max_length) for model in models]
+        reason = "the MoE router auxiliary loss needs the padded batch" if self.aux_loss_enabled else next(filter(None, reasons), None)
         if reason:
-            warnings.warn(f"{' and '.join(wanted)} ignored: {reason}. Training runs padded rows (exact, slower).",
-                          stacklevel=3)
+            self._stock_reason = _stock_instead(args, reason)
+            if self._stock_reason is None:
+                warnings.warn(f"{' and '.join(wanted)} ignored: {reason}. Training runs padded rows (exact, slower).",
+                              stacklevel=3)
             return None
         self._packed, self._packed_models = True, models
         return attention.PACKED if args.share_prompt else None
@@ -289,29 +332,15 @@ class PrunedDPOTrainer(DPOTrainer):
         """TRL's `train`, resuming only from a complete checkpoint with this run's pruning settings (`True`: the newest
         complete one; a stock checkpoint resumes with a note), warning about settings that should alarm, and stopping
         a diverging run (safety/). Raises `errors.ResumeError` and `errors.TrainingDiverged`, each one line."""
-        from transformers.utils import logging
-
-        if self.train_dataset is not None and self._uses_pruned_forward:  # pruning off: stock's own error
-            guards.check_not_empty(self.train_dataset, self.args)
-        resume, note = checkpoints.resolve_resume(resume_from_checkpoint, self.args)
-        if note and self.is_world_process_zero():
-            logging.get_logger(__name__).warning(note)
-        self.resumed_from, self.restored_logging_window = resume, False
-        self._step_loss, self._diverged = None, None
-        self._pending_run_state = checkpoints.read_run_state(resume, self.args.process_index) if resume else None
-        if self._auto_probs is not None:  # its statistics and choice: a resume draws the masks of no resume
-            self._auto_probs.load_state_dict((self._pending_run_state or {}).get("auto"))
-        self.divergence_guard = guards.DivergenceGuard.from_run_state(self._pending_run_state,
-                                                                      self.args.divergence_factor)
-        if self._uses_pruned_forward:  # pruning off: stock says nothing
-            guards.warn_before_training(self.args)
-        metrics.discard_pending(self)
+        resume = _before_train(self, resume_from_checkpoint)
         self._defer_metrics = True
         try:
             with checkpointing_names_quiet():  # TRL's calls of transformers' deprecated names (notices.py)
                 output = super().train(resume, *pargs, **kwargs)
         finally:
             self._defer_metrics = False
+            if self._packed:  # each model's own attention back (attention.py)
+                attention.use_packed(self._packed_models, packed=False)
         if self._diverged is not None:
             raise TrainingDiverged(self._diverged)
         return output

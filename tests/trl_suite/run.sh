@@ -1,6 +1,6 @@
 #!/bin/bash
 # TRL's own DPO test suite against the plugin, offline (docs/parity.md, "TRL's own suite").
-#   tests/trl_suite/run.sh TRL_CHECKOUT WORK_DIR [stock] [off] [on]
+#   tests/trl_suite/run.sh TRL_CHECKOUT WORK_DIR [stock] [off] [on] [default]
 # TRL_CHECKOUT: a git checkout of huggingface/trl (its tests/test_dpo_trainer.py, testing_utils.py, conftest.py are
 # copied, not vendored); WORK_DIR: scratch space (stand-in models, results). Writes WORK_DIR/log-MODE.txt and
 # WORK_DIR/failed-MODE.txt per mode; a failure is unexpected when it is in failed-off/on but not in failed-stock.

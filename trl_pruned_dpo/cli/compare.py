@@ -40,11 +40,12 @@ class _HeldOutCurve(TrainerCallback):
 
 
 def _stock_config(pruned_args):
-    """A `trl.DPOConfig` with every DPOConfig field of `pruned_args` (the pruning fields dropped)."""
+    """A `trl.DPOConfig` with every DPOConfig field of `pruned_args` (the pruning fields dropped), and `padding_free`
+    False: TRL 1.16 ignores it (it pads, with a warning) and the plugin's default is True."""
     from trl import DPOConfig
 
     values = {f.name: getattr(pruned_args, f.name) for f in dataclasses.fields(DPOConfig) if f.init}
-    return DPOConfig(**values)
+    return DPOConfig(**{**values, "padding_free": False})
 
 
 def _run(trainer_class, args, model_path, train_dataset, eval_dataset) -> tuple[object, dict]:
@@ -109,13 +110,14 @@ def compare(script_args, training_args, model_args, dataset_args) -> int:
     """Train stock, then pruned; print the rows, write compare.json and compare.png. Returns the exit code."""
     from trl import DPOTrainer
 
+    from ..config import uses_pruned_forward
     from ..trainer import PrunedDPOTrainer
 
     if training_args.eval_strategy == "no":
         raise InputError("--compare needs held-out pairs: set `eval_strategy: steps` (and `eval_steps`).")
-    if not training_args.pruning_enabled:
-        raise InputError("--compare needs pruning settings to compare with stock: set e.g. "
-                             "`prefix_prune_prob: 0.5` and `prune_common_prefix: true`.")
+    if not uses_pruned_forward(training_args):
+        raise InputError("--compare needs settings that differ from stock: the exact savings (`share_prompt`, "
+                         "`padding_free`, on by default) or a pruning, e.g. `prefix_prune_prob: 0.5`.")
     apply_thread_count()
     go_offline()  # the demo is offline; a hub model must be in the local cache
     model_path = resolve_model(model_args.model_name_or_path, model_args.model_revision)

@@ -39,6 +39,7 @@ def make_parser(prog: str = PROG):
     parser = TrlParser((ScriptArguments, PrunedDPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog,
                        usage=USAGE, description=DESCRIPTION)
     own = {f.name for f in dataclasses.fields(PrunedDPOConfig)} - {f.name for f in dataclasses.fields(DPOConfig)}
+    own.add("padding_free")  # DPOConfig's field, which the plugin honours and turns on by default (config.py)
     group = parser.add_argument_group("trl-pruned-dpo (pruning and run safety; docs/method.md, docs/cli.md)")
     rest = parser._optionals  # argparse keeps each group's actions in `_group_actions`; moving them moves the help
     for action in [a for a in rest._group_actions if a.dest in own or a.dest in ("help", "config")]:

@@ -18,9 +18,13 @@ def _mean(history: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+EXACT_SAVINGS = ("share_prompt", "padding_free")  # on by default (config.py); exact: not pruning
+
+
 def pruning_line(args) -> str:
-    """The pruning settings that are on, by field name; "none" when the run is stock DPO."""
-    on = [name for name in ("share_prompt", "prune_common_prefix") if getattr(args, name, False)]
+    """The pruning settings that are on, by field name; "none" when the run computes stock DPO's loss (the exact
+    savings, on or off, are `savings_line`'s)."""
+    on = [name for name in ("prune_common_prefix",) if getattr(args, name, False)]
     if args.prefix_prune_prob:
         on.append(f"prefix_prune_prob {args.prefix_prune_prob:g} (min ratio {args.prefix_min_ratio:g})")
     if args.branch_keep_prob != 1:
@@ -28,6 +32,17 @@ def pruning_line(args) -> str:
     if args.position_keep_prob != 1:
         on.append(f"position_keep_prob {args.position_keep_prob}")
     return ", ".join(on) if on else "none: every keep probability 1 (stock DPO's computation)"
+
+
+def savings_line(trainer) -> str:
+    """The exact savings (`share_prompt`, `padding_free`: on by default), whether the model ran them, and how to turn
+    them off; off: stock's forward (with no pruning)."""
+    on = [name for name in EXACT_SAVINGS if getattr(trainer.args, name, False)]
+    if not on:
+        return "off (share_prompt and padding_free false): padded rows, as stock"
+    if not getattr(trainer, "_packed", True):  # the model's attention cannot run packed: said once, at the start
+        return f"{', '.join(on)} ignored for this model: padded rows ran (exact)"
+    return f"{', '.join(on)} (exact; off: --share_prompt false --padding_free false)"
 
 
 def auto_choice(trainer) -> dict | None:
@@ -60,6 +75,7 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
         f"{PROG} summary",
         ("model", model_name if model_name == model_path else f"{model_name} -> {model_path}"),
         ("pruning", pruning_line(args)),
+        ("exact savings", savings_line(trainer)),
         ("steps", f"{state.global_step} ({pairs} pairs), {timing}{wall_seconds:.1f} s in all"),
     ]
     if last.get("loss") is not None:

@@ -1,21 +1,28 @@
 """The packed attention, registered with transformers for the plugin's packed forwards (policy and reference).
 
 A packed group (plan.py) is one row of segments: a segment's queries are its tokens, its keys (`kv_index`) its pair's
-shared part then itself, causal aligned lower-right. CUDA bf16/fp16: `torch.nn.attention.varlen.varlen_attn` (GQA
-without repeating K/V); elsewhere SDPA per segment over the same metadata: cost Σ queries × keys, never (length)².
-The metadata is a model kwarg, so gradient checkpointing's replay of a layer sees it. `use_packed` names `PACKED` in
-the configs until undone (at the trainer's next stock forward): the replay runs in the backward and reads the config
+shared part then itself, causal aligned lower-right. CUDA bf16/fp16: a varlen kernel (flash_attn's where the user
+loaded `flash_attention_2` and it is installed, else `torch.nn.attention.varlen.varlen_attn`; GQA without repeating
+K/V), each used once a check on random segments finds it agrees with SDPA (`_verify`); elsewhere, or where a kernel
+disagrees, SDPA per segment over the same metadata: cost Σ queries × keys, never (length)². The metadata is a model
+kwarg, so gradient checkpointing's replay of a layer sees it. `use_packed` names `PACKED` in the configs until undone
+(at the trainer's next stock forward, or the end of `train()`): the replay runs in the backward and reads the config
 then; meanwhile a call without the metadata (generation, a callback) gets the user's own attention and mask.
+Relies on transformers' `config._attn_implementation` and each model file's `eager_attention_forward` (pinned by
+tests/test_packed_kernels.py).
 """
 
+import importlib.util
 import inspect
 import sys
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 PACKED = "trl_pruned_dpo_packed"
@@ -65,8 +72,79 @@ def _per_segment(query, key, value, packing: Packing, scaling):
     return out
 
 
+def _torch_varlen(q, k, v, packing: Packing, scaling):
+    gqa = q.size(1) // k.size(1)
+    if gqa > 1 and "enable_gqa" not in _PARAMS:
+        k, v = k.repeat_interleave(gqa, dim=1), v.repeat_interleave(gqa, dim=1)
+    return varlen_attn(q.contiguous(), k, v, packing.cu_seq_q, packing.cu_seq_k, packing.max_q, packing.max_k,
+                       scale=scaling, **_CAUSAL, **({"enable_gqa": gqa > 1} if "enable_gqa" in _PARAMS else {}))
+
+
+def _flash_attn_varlen(q, k, v, packing: Packing, scaling):  # flash_attn >= 2.1: causal is lower-right, GQA native
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q.contiguous(), k, v, packing.cu_seq_q, packing.cu_seq_k, packing.max_q,
+                                  packing.max_k, softmax_scale=scaling, causal=True)
+
+
+_VERIFIED: dict[tuple, bool] = {}  # (kernel, device, dtype, heads, kv heads, head dim) -> agrees with the reference
+
+
 def _on_kernel(q) -> bool:
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen_attn is not None
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def _kernel(q, k, backend: str):
+    """The varlen kernel for this forward, or None (SDPA per segment): flash_attn's where the user loaded
+    flash_attention_2 and it is installed, else torch's; each used only once `_verify` has found it exact."""
+    if not _on_kernel(q):
+        return None
+    flash = backend == "flash_attention_2" and importlib.util.find_spec("flash_attn") is not None
+    kernel = _flash_attn_varlen if flash else _torch_varlen if varlen_attn is not None else None
+    key = (kernel, q.device, q.dtype, q.size(1), k.size(1), q.size(2))
+    if kernel is not None and key not in _VERIFIED:
+        _VERIFIED[key] = _verify(kernel, q.size(1), k.size(1), q.size(2), q.device, q.dtype)
+    return kernel if _VERIFIED.get(key) else None
+
+
+def _verify(kernel, heads: int, kv_heads: int, dim: int, device, dtype) -> bool:
+    """The kernel against SDPA per segment on random segments (shared keys before the queries, and none), forward and
+    backward, once per shape: exact if its error from the fp32 reference is at most twice SDPA's own in `dtype` plus
+    4 ulp (flash-attention's own test rule; 1e-5 in float32). A kernel that disagrees or fails is not used, said in
+    one line."""
+    q_lens, k_lens = [1, 17, 64, 5, 30], [40, 17, 100, 5, 31]  # a query block aligned at the end of its keys
+    host_q, host_k = [0, *torch.tensor(q_lens).cumsum(0).tolist()], [0, *torch.tensor(k_lens).cumsum(0).tolist()]
+    to = dict(device=device, dtype=torch.int32)
+    packing = Packing(torch.tensor(host_q, **to), torch.tensor(host_k, **to), None, max(q_lens), max(k_lens),
+                      host_q, host_k)
+    g = torch.Generator().manual_seed(0)
+    fp32 = [torch.randn(n, h, dim, generator=g) for n, h in ((host_q[-1], heads), (host_k[-1], kv_heads),
+                                                              (host_k[-1], kv_heads), (host_q[-1], heads))]
+
+    def run(fn, precision):  # output and input gradients, as float32 on the host
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+                torch.autocast(device.type, enabled=False):  # outside any checkpointing or autocast of the caller
+            q, k, v = (x.to(device, precision).requires_grad_() for x in fp32[:3])
+            out = fn(q, k, v, packing, dim ** -0.5)
+            grads = torch.autograd.grad(out, (q, k, v), fp32[3].to(device, precision))
+        return [x.float().cpu() for x in (out, *grads)]
+
+    def error(result):
+        return max(float((x - r).abs().max() / r.abs().max().clamp(min=1e-12)) for x, r in zip(result, reference))
+
+    reference = run(_per_segment, torch.float32)
+    try:
+        ulp = max(4 * torch.finfo(dtype).eps, 1e-5)
+        found, bound = error(run(kernel, dtype)), 2 * error(run(_per_segment, dtype)) + ulp
+    except Exception as failure:  # noqa: BLE001 - any failure of the kernel means: not this kernel
+        found, bound = failure, None
+    if bound is not None and found <= bound:
+        return True
+    why = f"relative error {found:.2g} > {bound:.2g}" if bound is not None else f"{type(found).__name__}: {found}"
+    warnings.warn(f"{kernel.__name__.strip('_')} disagrees with SDPA on {device} {dtype} ({heads} heads, {kv_heads} kv "
+                  f"heads, dim {dim}; {why}): the packed attention runs SDPA per segment (exact, slower).",
+                  stacklevel=2)
+    return False
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -79,15 +157,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                                         **kwargs)
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     k, v = k.index_select(0, packing.kv_index), v.index_select(0, packing.kv_index)
-    if _on_kernel(q):
-        gqa = q.size(1) // k.size(1)
-        if gqa > 1 and "enable_gqa" not in _PARAMS:
-            k, v = k.repeat_interleave(gqa, dim=1), v.repeat_interleave(gqa, dim=1)
-        out = varlen_attn(q.contiguous(), k, v, packing.cu_seq_q, packing.cu_seq_k, packing.max_q, packing.max_k,
-                          scale=scaling, **_CAUSAL, **({"enable_gqa": gqa > 1} if "enable_gqa" in _PARAMS else {}))
-    else:
-        out = _per_segment(q, k, v, packing, scaling)
-    return out.unsqueeze(0), None
+    kernel = _kernel(q, k, _users(getattr(module, "config", None))) or _per_segment
+    return kernel(q, k, v, packing, scaling).unsqueeze(0), None
 
 
 def _users(config) -> str:
@@ -96,12 +167,12 @@ def _users(config) -> str:
 
 def _users_attention(module):  # eager: each model file's own function
     name = _users(module.config)
-    return AttentionInterface._global_mapping.get(name) or sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get(name) or sys.modules[type(module).__module__].eager_attention_forward
 
 
 def _packed_mask(*args, **kwargs):
     """No mask inside a packed forward (the metadata is the mask); the user's backend's mask otherwise."""
-    return None if _packing_depth else ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[_users(kwargs.get("config"))](
+    return None if _packing_depth else ALL_MASK_ATTENTION_FUNCTIONS[_users(kwargs.get("config"))](
         *args, **kwargs)
 
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 
 def mask_generator(seed: int, step: int, micro_step: int, rank: int) -> torch.Generator:
@@ -123,15 +124,22 @@ def pair_agreement(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (ids_w == ids_l) & (mask_w == mask_l)
 
 
-def common_prefix(input_ids: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
+def common_prefix(input_ids: torch.Tensor, response: torch.Tensor, attention_mask=None) -> torch.Tensor:
     """Boolean (rows, cols): the response tokens that chosen and rejected share at their start, in both rows.
 
-    Within a pair the prompt tokens are identical and the responses start at the same column, so a leading run of
-    equal columns means same token *and* same context: the log-ratio of such a token is the same in both branches.
+    A pair's rows are compared token by token from their first real token (`attention_mask`; column 0 without it, so
+    a left-padding collator's rows align too): a leading run of equal tokens with equal roles, prompt included, means
+    same token *and* same context, so the log-ratio of such a response token is the same in both branches.
     """
-    run = pair_agreement(input_ids[:, 1:], response).long().cumprod(dim=1).bool()
-    resp_w, resp_l = response.bool().chunk(2)
-    return torch.cat([run & resp_w, run & resp_l])
+    rows, width = input_ids.shape
+    offset = attention_mask.long().argmax(dim=1) if attention_mask is not None else input_ids.new_zeros(rows)
+    cols = torch.arange(width, device=input_ids.device)
+    real = offset[:, None] + cols  # real token j of a row sits in grid column offset + j
+    roles = F.pad(response.bool(), (1, 0)).gather(1, real.clamp(max=width - 1)) & (real < width)
+    run = pair_agreement(input_ids.gather(1, real.clamp(max=width - 1)), roles).long().cumprod(dim=1).bool()
+    common = torch.cat([run, run]) & roles
+    back = (cols - offset[:, None]).clamp(min=0)  # grid column c holds real token c - offset
+    return (common.gather(1, back) & (cols >= offset[:, None]))[:, 1:]
 
 
 NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
@@ -201,6 +209,7 @@ def draw_masks(
     branch_sampling: str,
     drop_common_prefix: bool,
     generator: torch.Generator,
+    attention_mask: torch.Tensor | None = None,
 ) -> PruneMasks:
     """Draw all masks for one micro-batch. With every probability at its identity value, nothing is pruned.
 
@@ -209,7 +218,7 @@ def draw_masks(
     """
     response = completion_mask[:, 1:].bool()
     rows = response.size(0)
-    exact = response & ~common_prefix(input_ids, response) if drop_common_prefix else response
+    exact = response & ~common_prefix(input_ids, response, attention_mask) if drop_common_prefix else response
     keep = exact.clone()
     q = torch.ones(response.shape, dtype=torch.float64, device=response.device)
     if prefix_prune_prob > 0:
