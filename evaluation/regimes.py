@@ -5,7 +5,8 @@ alone on the machine). Beside the main study (quality.py: near-copy pairs, 8 pai
 estimator noise of pruning is cheap:
 
 - regimes: ``near`` (the main study's near-copy pairs) and ``dissimilar`` (tasks.dissimilar_pairs: two different
-  answers that differ from the first response token on);
+  answers that differ from the first response token on); also ``dissimilar-clean`` and ``reversed`` (tasks.py),
+  the cells of issue 21's `auto` rows, with ``--lr-scale`` to scale every learning rate;
 - batch sizes 8, 32 and 64 pairs per step, at the *same number of steps* (STEPS; so B = 64 sees 8 times the pairs
   of B = 8: the question is what pruning's extra noise costs a run of a given batch size, and a run of 4 large steps
   says nothing), the learning rate scaled by the square-root rule for Adam (lr = 1e-4 * sqrt(B / 8); Malladi et al.
@@ -34,7 +35,7 @@ from pathlib import Path
 from . import store  # the result store quality.py uses too
 from .store import REPO
 
-REGIME_NAMES = ("near", "dissimilar", "dissimilar-clean")
+REGIME_NAMES = ("near", "dissimilar", "dissimilar-clean", "reversed")
 BATCHES = (8, 32, 64)
 SETTINGS = ("stock", "branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp", "auto_share_cp")
 DIAGNOSED = ("branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_cp")
@@ -47,11 +48,11 @@ EVALS = 6  # evaluations up to the equal-steps budget (+ 3 beyond it)
 TIMING_ROUNDS, TIMING_STEPS = 5, 2  # round-robin step timing per cell: the median over rounds of each ratio to stock
 
 
-def run_config(batch: int, steps: int = STEPS):
+def run_config(batch: int, steps: int = STEPS, lr_scale: float = 1.0):
     from .train import RunConfig
 
     return RunConfig(steps=steps, pruned_steps_factor=1.5, batch_size=batch,
-                     learning_rate=BASE_LR * math.sqrt(batch / BASE_BATCH),
+                     learning_rate=lr_scale * BASE_LR * math.sqrt(batch / BASE_BATCH),
                      warmup=max(1, round(WARMUP_PAIRS / batch)), eval_every=max(1, steps // EVALS),
                      gen_every=10**9, eval_batch_size=64, generate=False)
 
@@ -60,10 +61,10 @@ class Regimes:
     # The design the report reads back from the study (regimes_report.py is below this module and never imports it).
     diagnosed, timing_rounds = DIAGNOSED, TIMING_ROUNDS
 
-    def __init__(self, out: Path, steps: int = STEPS, n_test: int = N_TEST, quick: bool = False):
+    def __init__(self, out: Path, steps: int = STEPS, n_test: int = N_TEST, quick: bool = False, lr_scale: float = 1.0):
         from .sft import SFTSpec
 
-        self.out, self.steps, self.n_test, self.quick = out, steps, n_test, quick
+        self.out, self.steps, self.n_test, self.quick, self.lr_scale = out, steps, n_test, quick, lr_scale
         self._data_keys = {}
         if quick:
             self.sft = SFTSpec(quick=True, n_examples=256, steps=10, n_train=64, n_test=n_test)
@@ -97,7 +98,8 @@ class Regimes:
         from .settings import SETTINGS as ALL
 
         return store.fingerprint(self.sft.key(), regime, self.data_key(regime), self.n_test,
-                                 asdict(run_config(batch, self.steps)), store.setting_key(ALL[setting]), seed)
+                                 asdict(run_config(batch, self.steps, self.lr_scale)), store.setting_key(ALL[setting]),
+                                 seed)
 
     def train_one(self, regime, batch, setting, seed):
         from .settings import SETTINGS as ALL
@@ -110,7 +112,7 @@ class Regimes:
         splits = self.splits(regime)
         started = time.perf_counter()
         record = run(ALL[setting], seed, self.policy(), as_dataset(splits["train"]), as_dataset(splits["test"]), [],
-                     run_config(batch, self.steps), log=lambda m: None)
+                     run_config(batch, self.steps, self.lr_scale), log=lambda m: None)
         record.update(fingerprint=fp, regime=regime, batch=batch)
         store.save(path, record)
         print(f"  {regime}-b{batch} {setting} s{seed}: {time.perf_counter() - started:.0f}s, final pref "
@@ -133,7 +135,7 @@ class Regimes:
         def one(group):
             regime, seed, todo = group
             command = [sys.executable, "-m", "evaluation.regimes", "--group", regime, str(seed), *todo,
-                       "--out", str(self.out), "--steps", str(self.steps), *extra]
+                       "--out", str(self.out), "--steps", str(self.steps), "--lr-scale", str(self.lr_scale), *extra]
             return subprocess.run(command, cwd=REPO, check=False).returncode
 
         with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -193,6 +195,8 @@ def main(argv=None):
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--steps", type=int, default=STEPS, help="the equal-steps budget N, every batch size")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI's smoke test)")
+    parser.add_argument("--lr-scale", type=float, default=1.0,
+                        help="learning rates times this (use its own --out: the cells' folders do not name it)")
     parser.add_argument("--group", nargs="+", metavar="REGIME SEED BATCH:SETTING", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -214,7 +218,8 @@ def main(argv=None):
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
 
-    study = Regimes(args.out, steps=args.steps, n_test=16 if args.quick else N_HELD_OUT, quick=args.quick)
+    study = Regimes(args.out, steps=args.steps, n_test=16 if args.quick else N_HELD_OUT, quick=args.quick,
+                    lr_scale=args.lr_scale)
     if args.group:
         regime, seed, *runs = args.group
         for item in runs:

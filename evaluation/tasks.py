@@ -165,14 +165,27 @@ def dissimilar_pairs(rows, seed: int = 0, label_noise: float = LABEL_NOISE) -> l
     return out
 
 
-# dissimilar-clean: the same pairs without swapped labels, where stock nearly saturates and a fixed branch 0.5 costs
-# little (the cell of issue 21 where `auto` should prune)
+def reversed_pairs(rows, seed: int = 0) -> list[dict[str, str]]:
+    """Dissimilar pairs with one consistent mistake: rejected is the chosen answer in reverse order (count and sort
+    alike; a one-item answer keeps dissimilar_pairs' neighbouring number), no swapped labels. Every pair carries the
+    same signal ("ascending, not descending"), so the per-pair gradients agree: at the starting policy B_simple =
+    tr Σ / |G|² is 2.4 (per-pair gradients of 96 training pairs), against 7.7 for dissimilar-clean and 12 for
+    dissimilar, with about the same extra noise of a branch draw at 1/2 (r 1.5, 1.4, 1.3). The cell of issue 21
+    where a fixed branch 0.5 should cost little at equal steps (B >> B_simple (1 + r))."""
+    out = []
+    for row in dissimilar_pairs(rows, seed, label_noise=0.0):
+        answer = row["chosen"].split()
+        out.append({**row, "rejected": " ".join(reversed(answer)) if len(answer) > 1 else row["rejected"]})
+    return out
+
+
+# dissimilar-clean: the same pairs without swapped labels, where stock nearly saturates
 REGIMES = {"near": lambda rows: rows, "dissimilar": dissimilar_pairs,
-           "dissimilar-clean": lambda rows: dissimilar_pairs(rows, label_noise=0.0)}
+           "dissimilar-clean": lambda rows: dissimilar_pairs(rows, label_noise=0.0), "reversed": reversed_pairs}
 
 
 def as_dataset(rows) -> Dataset:
     return Dataset.from_list(rows)
 
 
-__all__ = ["REGIMES", "STUDY_SIZES", "QUICK_SIZES", "as_dataset", "dissimilar_pairs", "is_correct", "make_study_splits", "solve", "task_of"]
+__all__ = ["REGIMES", "STUDY_SIZES", "QUICK_SIZES", "as_dataset", "dissimilar_pairs", "is_correct", "reversed_pairs", "make_study_splits", "solve", "task_of"]

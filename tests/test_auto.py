@@ -254,3 +254,68 @@ def test_extra_memory_is_at_most_one_gradient(tokenizer, far_dataset, tmp_path, 
     extra = peaks["auto"] - peaks["unmeasured"]
     print(f"peak {peaks}, extra {extra} bytes, one gradient {gradient} bytes")
     assert extra <= (gradient if accumulation == 1 else 0) + 1024, (extra, gradient)  # measured: 52 B; 1 gradient + 4 B
+
+
+@pytest.mark.parametrize("case, per_block", [
+    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=14), 2),  # B / 2B: 2 steps a block
+    (dict(max_steps=8), 1),  # accumulation: micro-batch vs accumulated gradient, 1 step a block
+], ids=["single", "accumulation"])
+def test_first_decision_comes_early(tokenizer, far_dataset, tmp_path, monkeypatch, case, per_block):
+    """Both families auto: warm-up blocks exact, branch, exact, branch, position, position; the branch is decided as
+    soon as it is resolved (block 4), the position family two blocks later, and p stays 1 for an unresolved one."""
+    monkeypatch.setattr(auto, "head_share", lambda config: 0.3)  # position pruning can save MIN_GAIN
+    trainer = _train(tokenizer, far_dataset, tmp_path, position_keep_prob="auto", **case)
+    trainer.train()
+    probs = trainer._auto_probs
+    assert probs.families == ["branch", "position"]
+    assert [probs.kind(block * per_block) for block in range(6)] == ["exact", "branch", "exact", "branch",
+                                                                     "position", "position"]
+    assert (probs.history[0]["step"], probs.history[0]["decided"]) == (4 * per_block, ["branch"]), probs.history
+    assert probs.history[0]["position_keep_prob"] == 1.0
+    both = next(h for h in probs.history if h["decided"] == ["branch", "position"])
+    assert both["step"] == 6 * per_block, probs.history  # single: 8 and 12; accumulation: 4 and 6
+
+
+def _bare(families, single=False, batch=8):
+    """An AutoKeepProbs without a trainer: the schedule and the decision from given running sums."""
+    probs = object.__new__(auto.AutoKeepProbs)
+    probs.families, probs.single, probs.batch, probs.head = families, single, batch, 0.0
+    probs.load_state_dict(None)
+    return probs
+
+
+def test_a_family_no_keep_prob_pays_for_is_probed_rarely():
+    """Far below the noise scale even the optimistic bounds keep every branch: after the warm-up its probes come
+    RARELY times less often (every 64 blocks instead of 16), and at full rate again once pruning might pay."""
+    gen = torch.Generator().manual_seed(0)
+    for batch, futile in ((8, True), (4096, False)):
+        probs = _bare(["branch"], batch=batch)
+        for _ in range(40):
+            noise = lambda: float(torch.randn((), generator=gen)) * 5  # noqa: E731
+            for kind, trace in (("exact", 100 + noise()), ("branch", 300 + noise())):
+                norm2 = 1 + noise() / 100
+                for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
+                    probs.stats.add(f"{name}_{kind}", value)
+            probs.stats.add("work_exact", 1.0)
+            probs.stats.add("work_branch", 0.75)
+        probs._decide(100)
+        assert (probs.futile == ["branch"]) is futile, probs.history
+        assert (probs.choice[0] < 1.0) is not futile  # B_simple ≈ 100 against 4096 pairs per step: prune
+        probes = [b for b in range(4, 260) if probs.kind(b) == "branch"]
+        assert probes == ([8, 72, 136, 200] if futile else list(range(8, 260, 16)))
+        assert probs.state_dict()["futile"] == probs.futile  # saved: a resume probes on the same steps
+
+
+def test_ratio_bound_cancels_a_shared_scale():
+    """Gradient norms that shrink 100-fold as training goes on, tr Σ and |G|² alike (B_simple = 3 throughout, 20%
+    noise on each): the ratio estimator's bounds stay near 3; bounds on the two means apart are much looser."""
+    stats, gen = auto.Running(), torch.Generator().manual_seed(0)
+    for i in range(30):
+        scale = 100 * 0.85 ** i
+        trace, norm2 = (scale * (1 + 0.2 * float(torch.randn((), generator=gen))) for _ in range(2))
+        for name, value in (("trace", 3 * trace), ("norm2", norm2), ("cross", 3 * trace * norm2)):
+            stats.add(f"{name}_exact", value)
+    ratio = [stats.ratio("trace_exact", "norm2_exact", "cross_exact", z) for z in (-auto.UPPER_Z, 0, auto.UPPER_Z)]
+    assert 2.0 < ratio[0] < ratio[1] < ratio[2] < 4.5, ratio
+    apart = stats.mean("trace_exact", auto.UPPER_Z) / stats.mean("norm2_exact", -auto.UPPER_Z)
+    assert apart > 1.5 * ratio[2], (apart, ratio)  # measured: 5.9 against 3.2

@@ -22,6 +22,7 @@ from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `aut
 )
 
 PROBE_EVERY, MIN_SAMPLES = 16, 2  # blocks between exact / half probes after the warm-up; samples before a decision
+RARELY = 4  # a family that no keep probability pays for even at the optimistic bounds is probed 4 times less often
 
 
 def _plus(total, value):
@@ -42,21 +43,30 @@ class AutoKeepProbs(TrainerCallback):
         self.load_state_dict(None)
 
     def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume
-        return self._fold() or {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history}
+        return self._fold() or {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history,
+                                "futile": self.futile}
 
     def load_state_dict(self, state):
         state, self._pending, self._small, self._dot, self._pairs, self._work = state or {}, None, None, None, 0, 0
-        self.stats, self._first, self.history = Running(state.get("sums")), None, list(state.get("history", []))
+        sums = {} if "norm2" in state.get("sums", {}) else state.get("sums")  # an earlier estimator's: measured anew
+        self.stats, self._first, self.history = Running(sums), None, list(state.get("history", []))
         self.choice = tuple(state.get("choice", (1.0, 1.0, 1.0, "before the first decision: keep everything")))
+        self.futile = list(state.get("futile", []))  # families probed RARELY (saved: the kinds of steps follow it)
 
     def kind(self, step: int) -> str:
-        """"exact", a family's probe or "choice": a function of the step and the (rank-identical, saved) choice."""
-        block, cycle = step // (2 if self.single else 1), [x for f in self.families for x in ("exact", f)]
-        if cycle and block < 2 * len(cycle):  # the warm-up
-            return cycle[block % len(cycle)]
-        if cycle and block % (PROBE_EVERY // 2) == 0:
-            return "exact" if block % PROBE_EVERY == 0 else self.families[block // PROBE_EVERY % len(self.families)]
-        return "exact" if cycle and self.choice[:2] == (1.0, 1.0) else "choice"
+        """"exact", a family's probe or "choice": a function of the step and the (rank-identical, saved) state. The
+        warm-up, exact F1 exact F1 F2 F2, resolves the first family after 4 blocks and the second after 6."""
+        block, fams = step // (2 if self.single else 1), self.families
+        warm_up = ["exact", fams[0], "exact", fams[0], *[f for f in fams[1:] for _ in "ab"]] if fams else []
+        if block < len(warm_up):
+            return warm_up[block]
+        if fams and block % (PROBE_EVERY // 2) == 0:
+            turn = block // PROBE_EVERY
+            if block % PROBE_EVERY == 0:
+                return "exact"
+            if fams[turn % len(fams)] not in self.futile or turn % (RARELY * len(fams)) < len(fams):
+                return fams[turn % len(fams)]
+        return "exact" if fams and self.choice[:2] == (1.0, 1.0) else "choice"
 
     def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
         """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
@@ -145,34 +155,43 @@ class AutoKeepProbs(TrainerCallback):
         if not self.single and clip is not None:
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
         elif self.single and step % 2 == 0:
-            self._first = [small2, step]
-        elif self.single and self._first is not None and self._first[1] == step - 1:  # B and 2B pairs
+            self._first = [small2, step, kind]
+        elif self.single and self._first is not None and self._first[1:] == [step - 1, kind]:  # B and 2B pairs
             first, self._first = self._first[0], None
             sizes = (first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs
-        if sizes:
-            trace, norm2 = trace_and_norm2(*sizes)
-            self.stats.add(f"trace_{kind}", trace)
-            if kind == "exact":
-                self.stats.add("norm2", norm2)
+        if sizes:  # per kind: tr Σ, |G|², their product (B_simple of the kind: a ratio estimator); each step in units
+            trace, norm2 = (x / (sizes[0] or 1.0) for x in trace_and_norm2(*sizes))  # of its |G_small|²: alike weights
+            for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
+                self.stats.add(f"{name}_{kind}", value)
 
     def _decide(self, step: int):
-        """Choose (A1) at the UPPER_Z bounds: B_simple's from tr Σ above and |G|² below; r from the family's tr Σ
-        above over the exact tr Σ below (each bound one-sided at UPPER_Z: jointly more conservative than 90%)."""
+        """Choose (A1) at the UPPER_Z bounds among the families resolved so far (MIN_SAMPLES probes; the others keep
+        p = 1): B_simple's, and r's from the family's B_simple above over the exact one below (each bound one-sided
+        at UPPER_Z: jointly more conservative than 90%). A family that even the opposite (optimistic) bounds keep
+        at p = 1 is probed RARELY until they no longer do."""
         self._fold()
-        s, counts = self.stats, [self.stats.count(f"trace_{k}") for k in ["exact", *self.families]]
-        if min(counts) < MIN_SAMPLES - 0.1:  # decayed counts: 2 samples count 1.9995
+        s, ready = self.stats, [f for f in self.families if self.stats.count(f"trace_{f}") >= MIN_SAMPLES - 0.1]
+        if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:  # decayed counts: 2 samples count 1.9995
             return
-        g2_low, trace_up = s.mean("norm2", -UPPER_Z), s.mean("trace_exact", UPPER_Z)
-        b_up = trace_up / g2_low if g2_low > 0 and trace_up > 0 else math.inf
-        low = s.mean("trace_exact", -UPPER_Z)  # r unresolved (inf) while the exact tr Σ may still be 0
-        r = {f: max(s.mean(f"trace_{f}", UPPER_Z) / low - 1, 0.0) if low > 0 else math.inf for f in self.families}
-        b_up = b_up if all(map(math.isfinite, r.values())) else math.inf
         half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
-        choice = choose(b_up, r.get("branch", 0.0), r.get("position", 0.0), self.batch, self.head,
-                        "branch" in self.families, "position" in self.families, half)
-        if not self.history or choice[:2] != self.choice[:2] or step % 10 == 0:
-            point = s.mean("trace_exact") / s.mean("norm2") if s.mean("norm2") > 0 else math.inf
-            self.history.append({"step": step, "b_simple": point, "b_simple_upper": b_up, "r_branch": r.get("branch"),
-                                 "r_position": r.get("position"), "branch_half_cost": half,
-                                 "branch_keep_prob": choice[0], "position_keep_prob": choice[1], "reason": choice[3]})
-        self.choice = choice
+        (b_up, r), (b_low, r_low) = self._bounds(UPPER_Z, ready), self._bounds(-UPPER_Z, ready)
+        pick = lambda b, r: choose(b, r.get("branch", 0.0), r.get("position", 0.0), self.batch, self.head,  # noqa
+                                   "branch" in ready, "position" in ready, half)
+        choice, hope = pick(b_up, r), pick(b_low, r_low)
+        futile = [f for f in ready if hope[("branch", "position").index(f)] == 1.0]
+        last = self.history[-1] if self.history else {}
+        if (choice[:2], ready) != (self.choice[:2], last.get("decided")) or step % 10 == 0:
+            point = s.ratio("trace_exact", "norm2_exact", "cross_exact")
+            self.history.append({"step": step, "decided": ready, "b_simple": point, "b_simple_upper": b_up,
+                                 "b_simple_lower": b_low, "r_branch": r.get("branch"), "r_position": r.get("position"),
+                                 "branch_half_cost": half, "branch_keep_prob": choice[0],
+                                 "position_keep_prob": choice[1], "probed_rarely": futile, "reason": choice[3]})
+        self.choice, self.futile = choice, futile
+
+    def _bounds(self, z: float, ready) -> tuple[float, dict]:
+        """B_simple and each family's r, z standard errors on the pruning-averse side (z < 0: the optimistic side).
+        r + 1: the probes' B_simple over the exact one, tr Σ over tr Σ with each step's scale |G|² divided out."""
+        ratio = lambda k, z: self.stats.ratio(f"trace_{k}", f"norm2_{k}", f"cross_{k}", z)  # noqa: E731
+        low = ratio("exact", -z)  # the exact B_simple on the other side, for r
+        r = {f: max(ratio(f, z) / low - 1, 0.0) if low > 0 else (math.inf if z > 0 else 0.0) for f in ready}
+        return (ratio("exact", z) if all(map(math.isfinite, r.values())) else math.inf), r

@@ -80,3 +80,15 @@ class Running:
         w, w2, sx, sxx = self.sums[name]
         mean = sx / w
         return mean + z * math.sqrt(max(sxx / w - mean * mean, 0.0) / max(self.count(name) - 1, 1))
+
+    def ratio(self, num, den, cross, z=0.0):
+        """mean(num) / mean(den) of quantities added together (`cross`: their product), z standard errors above
+        (below, if negative) by the delta method: from the spread of num - R den, so that a scale both share (the
+        gradient norms shrinking as training goes on) cancels; an unresolved mean(den) shows as a wide spread. inf
+        (0 if z < 0) while mean(den) <= 0."""
+        (w, _, sn, snn), (_, _, sd, sdd), sc = self.sums[num], self.sums[den], self.sums[cross][2]
+        if sd <= 0:
+            return math.inf if z >= 0 else 0.0
+        ratio = sn / sd
+        spread = max(snn - 2 * ratio * sc + ratio * ratio * sdd, 0.0) / w  # E (num - R den)², its mean being 0
+        return max(ratio + z * math.sqrt(spread / max(self.count(num) - 1, 1)) / (sd / w), 0.0)
