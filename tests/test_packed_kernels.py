@@ -116,8 +116,8 @@ def test_flash_attn_is_preferred_where_the_user_loaded_it(on_kernel, monkeypatch
     torch_calls = on_kernel(naive_varlen)
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_varlen_func = flash_attn_varlen_func
-    fake.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setattr(attention, "FLASH_ATTN_INSTALLED", True)
     q, k = torch.randn(6, 4, 8), torch.randn(9, 2, 8)
     assert attention._kernel(q, k, "flash_attention_2") is attention._flash_attn_varlen
     assert attention._kernel(q, k, "sdpa") is attention._torch_varlen  # the user's backend decides

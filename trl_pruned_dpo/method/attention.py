@@ -87,6 +87,7 @@ def _flash_attn_varlen(q, k, v, packing: Packing, scaling):  # flash_attn >= 2.1
                                   packing.max_k, softmax_scale=scaling, causal=True)
 
 
+FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None  # once: `_kernel` runs in every layer
 _VERIFIED: dict[tuple, bool] = {}  # (kernel, device, dtype, heads, kv heads, head dim) -> agrees with the reference
 
 
@@ -99,7 +100,7 @@ def _kernel(q, k, backend: str):
     flash_attention_2 and it is installed, else torch's; each used only once `_verify` has found it exact."""
     if not _on_kernel(q):
         return None
-    flash = backend == "flash_attention_2" and importlib.util.find_spec("flash_attn") is not None
+    flash = backend == "flash_attention_2" and FLASH_ATTN_INSTALLED
     kernel = _flash_attn_varlen if flash else _torch_varlen if varlen_attn is not None else None
     key = (kernel, q.device, q.dtype, q.size(1), k.size(1), q.size(2))
     if kernel is not None and key not in _VERIFIED:
