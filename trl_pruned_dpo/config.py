@@ -293,6 +293,9 @@ class PrunedDPOConfig(DPOConfig):
                 )
 
 
+EXACT_SAVINGS = ("padding_free", "share_prompt")  # on by default; exact: no estimator (docs/method.md)
+
+
 def uses_pruned_forward(args) -> bool:
     """THE switch between the plugin's forward and TRL's own: with it False, training, the reference precompute, the
     collator and the signature columns are stock's (exact parity by construction, docs/parity.md).
@@ -302,4 +305,4 @@ def uses_pruned_forward(args) -> bool:
     """
     if not isinstance(args, PrunedDPOConfig):
         return False
-    return args.pruning_enabled or args.share_prompt or args.padding_free
+    return args.pruning_enabled or any(getattr(args, name) for name in EXACT_SAVINGS)

@@ -25,7 +25,7 @@ from datasets import Dataset, IterableDataset
 
 from . import metrics
 from .auto import AutoKeepProbs
-from .config import AUTO, PrunedDPOConfig, uses_pruned_forward
+from .config import AUTO, EXACT_SAVINGS, PrunedDPOConfig, uses_pruned_forward
 from .errors import TrainingDiverged
 from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
 from .method.estimators import horvitz_thompson, scale_branch_gradient
@@ -53,18 +53,17 @@ def _masks_to(masks: PruneMasks, device) -> PruneMasks:
                          for f in dataclasses.fields(masks)})
 
 
-def _stock_instead(args, refusal: ValueError | str) -> str | None:
-    """What the plugin's forward cannot do. With an estimator on, a refusal (ValueError) is raised and a reason returns
-    None (the padded path takes it); with only the exact savings on, TRL's own forward runs instead, said in one line:
-    returns why."""
-    if args.pruning_enabled:
-        if isinstance(refusal, ValueError):
-            raise refusal
-        return None
-    wanted = " and ".join(n for n in ("padding_free", "share_prompt") if getattr(args, n, False))
-    warnings.warn(f"{wanted} ignored: {str(refusal).rstrip('.')}. TRL's own forward runs (exact; pruning is off).",
-                  stacklevel=4)
-    return str(refusal)
+def _without_savings(args, why: ValueError | str) -> str | None:
+    """The exact savings cannot run. A refusal (ValueError) is raised where an estimator is on; otherwise one line
+    says why and what runs instead: with only the savings on, TRL's own forward (returns why), else the plugin's
+    padded rows (None)."""
+    if isinstance(why, ValueError) and args.pruning_enabled:
+        raise why
+    stock = not args.pruning_enabled
+    wanted = " and ".join(name for name in EXACT_SAVINGS if getattr(args, name, False))
+    then = "TRL's own forward runs (exact; pruning is off)" if stock else "Training runs padded rows (exact, slower)"
+    warnings.warn(f"{wanted} ignored: {str(why).rstrip('.')}. {then}.", stacklevel=4)
+    return str(why) if stock else None
 
 
 def _before_train(trainer, resume_from_checkpoint):
@@ -106,10 +105,11 @@ class PrunedDPOTrainer(DPOTrainer):
         train_dataset = kwargs.get("train_dataset", pargs[1] if len(pargs) > 1 else None)
         self._stock_reason = None  # why a run with only the exact savings on is TRL's own (they need what it lacks)
         if uses_pruned_forward(args):  # refuse what the pruned forward cannot do, before TRL's precompute runs
+            processing_class = kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None)
             try:
-                check_prunable(args, train_dataset, kwargs.get("processing_class", pargs[3] if len(pargs) > 3 else None))
+                check_prunable(args, train_dataset, processing_class)
             except ValueError as refusal:
-                self._stock_reason = _stock_instead(args, refusal)
+                self._stock_reason = _without_savings(args, refusal)
             check_compact_lm_head()
         self.last_prune_stats: dict[str, int] = {}
         self._mask_step = (-1, 0)  # (global step, micro-step) of the last draw
@@ -119,7 +119,7 @@ class PrunedDPOTrainer(DPOTrainer):
         if self._uses_pruned_forward:
             check_training_pairs(self, train_dataset)  # degenerate and truncated pairs: warn, or refuse (one rank)
             if self._is_vision_dataset:  # a processor not passed in (loaded by TRL): known only now
-                self._stock_reason = _stock_instead(args, ValueError(VISION_ERROR))
+                self._stock_reason = _without_savings(args, ValueError(VISION_ERROR))
         self._share_backend = self._shared_prompt_backend() if self._uses_pruned_forward else None  # (or stock)
         if self._uses_pruned_forward:
             self.data_collator = pruned_collator(self.data_collator, args, self.train_dataset)
@@ -178,18 +178,15 @@ class PrunedDPOTrainer(DPOTrainer):
         """The layout, once: packed (`padding_free`/`share_prompt` on a model `attention.unsupported_reason` allows) or
         padded (said once). Returns the packed attention when prompts are shared, else None."""
         args = self.args
-        wanted = [name for name in ("padding_free", "share_prompt") if getattr(args, name, False)]
-        if not wanted:
+        if not any(getattr(args, name, False) for name in EXACT_SAVINGS):
             return None
         models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
         models = [m.get_base_model() if is_peft_model(m) else m for m in models]
         reasons = [attention.unsupported_reason(model, args.max_length) for model in models]
-        reason = "the MoE router auxiliary loss needs the padded batch" if self.aux_loss_enabled else next(filter(None, reasons), None)
-        if reason:
-            self._stock_reason = _stock_instead(args, reason)
-            if self._stock_reason is None:
-                warnings.warn(f"{' and '.join(wanted)} ignored: {reason}. Training runs padded rows (exact, slower).",
-                              stacklevel=3)
+        reason = next(filter(None, reasons), None)
+        if self.aux_loss_enabled or reason:
+            self._stock_reason = _without_savings(args, "the MoE router auxiliary loss needs the padded batch"
+                                                  if self.aux_loss_enabled else reason)
             return None
         self._packed, self._packed_models = True, models
         return attention.PACKED if args.share_prompt else None

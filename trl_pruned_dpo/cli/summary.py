@@ -1,6 +1,7 @@
 """The end-of-run summary: what ran, what pruning kept, what `auto` chose, the worst values, and where the model is
 (or where the run stopped and how to resume)."""
 
+from ..config import EXACT_SAVINGS
 from ..errors import PROG
 from ..safety import checkpoints
 from ..safety.signals import resume_command
@@ -16,9 +17,6 @@ _PRUNE_METRICS = {  # key -> (label, what the share is of)
 def _mean(history: list[dict], key: str) -> float | None:
     values = [entry[key] for entry in history if key in entry]
     return sum(values) / len(values) if values else None
-
-
-EXACT_SAVINGS = ("share_prompt", "padding_free")  # on by default (config.py); exact: not pruning
 
 
 def pruning_line(args) -> str:
@@ -37,10 +35,12 @@ def pruning_line(args) -> str:
 def savings_line(trainer) -> str:
     """The exact savings (`share_prompt`, `padding_free`: on by default), whether the model ran them, and how to turn
     them off; off: stock's forward (with no pruning)."""
-    on = [name for name in EXACT_SAVINGS if getattr(trainer.args, name, False)]
+    on = [name for name in reversed(EXACT_SAVINGS) if getattr(trainer.args, name, False)]  # share_prompt first
     if not on:
         return "off (share_prompt and padding_free false): padded rows, as stock"
-    if not getattr(trainer, "_packed", True):  # the model's attention cannot run packed: said once, at the start
+    if getattr(trainer, "_stock_reason", None):  # what the savings need is missing: said once, at the start
+        return f"{', '.join(on)} ignored ({trainer._stock_reason}): TRL's own forward ran"
+    if not getattr(trainer, "_packed", True):  # the model's attention cannot run packed (with a pruning on)
         return f"{', '.join(on)} ignored for this model: padded rows ran (exact)"
     return f"{', '.join(on)} (exact; off: --share_prompt false --padding_free false)"
 

@@ -124,6 +124,13 @@ def pair_agreement(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (ids_w == ids_l) & (mask_w == mask_l)
 
 
+def from_first_real(x: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Each row of `x` (rows, cols) read from its column `offset` on (its first real token), moved to column 0; past
+    the row's end, its last column repeated."""
+    cols = torch.arange(x.size(1), device=x.device)
+    return x.gather(1, (offset[:, None] + cols).clamp(max=x.size(1) - 1))
+
+
 def common_prefix(input_ids: torch.Tensor, response: torch.Tensor, attention_mask=None) -> torch.Tensor:
     """Boolean (rows, cols): the response tokens that chosen and rejected share at their start, in both rows.
 
@@ -134,9 +141,8 @@ def common_prefix(input_ids: torch.Tensor, response: torch.Tensor, attention_mas
     rows, width = input_ids.shape
     offset = attention_mask.long().argmax(dim=1) if attention_mask is not None else input_ids.new_zeros(rows)
     cols = torch.arange(width, device=input_ids.device)
-    real = offset[:, None] + cols  # real token j of a row sits in grid column offset + j
-    roles = F.pad(response.bool(), (1, 0)).gather(1, real.clamp(max=width - 1)) & (real < width)
-    run = pair_agreement(input_ids.gather(1, real.clamp(max=width - 1)), roles).long().cumprod(dim=1).bool()
+    roles = from_first_real(F.pad(response.bool(), (1, 0)), offset) & (offset[:, None] + cols < width)
+    run = pair_agreement(from_first_real(input_ids, offset), roles).long().cumprod(dim=1).bool()
     common = torch.cat([run, run]) & roles
     back = (cols - offset[:, None]).clamp(min=0)  # grid column c holds real token c - offset
     return (common.gather(1, back) & (cols >= offset[:, None]))[:, 1:]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from .masks import PruneMasks, pair_agreement, positions_needed
+from .masks import PruneMasks, from_first_real, pair_agreement, positions_needed
 
 
 @dataclass
@@ -82,9 +82,8 @@ def real_tokens(host: HostBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     """(ids, valid, offset): each row's real tokens moved to column 0 from its first real column `offset`."""
     valid = host.attention_mask.bool()
     offset = valid.long().argmax(dim=1)
-    cols = torch.arange(valid.size(1))
-    index = (offset[:, None] + cols).clamp(max=valid.size(1) - 1)
-    return host.input_ids.gather(1, index), cols < valid.sum(dim=1, keepdim=True), offset
+    real = torch.arange(valid.size(1)) < valid.sum(dim=1, keepdim=True)
+    return from_first_real(host.input_ids, offset), real, offset
 
 
 def common_tokens(host: HostBatch) -> torch.Tensor:
