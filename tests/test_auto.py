@@ -2,6 +2,7 @@
 keep both branches, the trainer logs what it chose, and the measurement is cheap."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,6 +79,13 @@ def test_overlap_separates_near_copies_from_different_answers():
     assert overlap[0] > 0.8 and overlap[2] == 1.0 and overlap[1] < 0.1
     probs = auto.per_pair_branch_probs(overlap, 0.5)
     assert probs.tolist() == [1.0, 0.5, 1.0]  # near-copies keep both branches
+    # A left-padding collator: chosen rows shifted right by 3 columns of padding, rejected by 1: the same overlap.
+    shifts = [3] * pairs + [1] * pairs
+    padded = torch.stack([torch.cat([row.new_zeros(k), row, row.new_zeros(3 - k)]) for row, k in zip(ids, shifts)])
+    mask = torch.stack([torch.cat([row.new_zeros(k), row, row.new_zeros(3 - k)]) for row, k in zip(completion, shifts)])
+    real = torch.stack([torch.cat([torch.zeros(k), torch.ones(ids.size(1)), torch.zeros(3 - k)]) for k in shifts])
+    assert torch.equal(auto.pair_overlap(padded, mask, real.long()), overlap)
+    assert auto.pair_overlap(padded, mask)[0] < 0.5  # column by column, the near-copy would be pruned
 
 
 def test_choice_follows_the_noise_model():
@@ -182,7 +190,8 @@ def far_dataset():
     dict(per_device_train_batch_size=1, gradient_accumulation_steps=4),  # micro-batch of one pair
     dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
     dict(per_device_train_batch_size=8, gradient_accumulation_steps=1),  # one process, no accumulation: B / 2B
-], ids=["accumulation", "micro-batch-1", "reentrant-checkpointing", "single"])
+    dict(max_grad_norm=0.0),  # no clipping: transformers still asks the engine for the norm (at max_norm inf)
+], ids=["accumulation", "micro-batch-1", "reentrant-checkpointing", "single", "no-clipping"])
 def test_auto_measures_from_the_norms_training_computes(tokenizer, far_dataset, tmp_path, case):
     """The first decision comes within 10 steps, from finite estimates; the draws of exact steps keep every branch
     and those of probe steps halve the far pairs; num_tokens and the stock metrics are those of a run without auto."""
@@ -206,20 +215,27 @@ def test_auto_measures_from_the_norms_training_computes(tokenizer, far_dataset, 
     assert all(not torch.is_tensor(v) or v.numel() <= 4 for v in vars(probs).values())
 
 
-def test_resume_reproduces_the_masks(tokenizer, far_dataset, tmp_path):
-    """A run resumed from a mid-run checkpoint draws the masks of the uninterrupted run: auto's statistics and
-    choice are in the checkpoint."""
+@pytest.mark.parametrize("case", [
+    dict(save_steps=6),  # accumulation: the engine's norms
+    dict(save_steps=5, per_device_train_batch_size=8, gradient_accumulation_steps=1),  # B / 2B, between a pair's steps
+], ids=["accumulation", "single-odd-step"])
+def test_resume_reproduces_the_masks(tokenizer, far_dataset, tmp_path, case):
+    """A run resumed from a mid-run checkpoint draws the masks of the uninterrupted run: auto's statistics, loss
+    curve and choice are in the checkpoint."""
     full, resumed = [], []
-    save = dict(save_strategy="steps", save_steps=6, max_steps=12)
+    save = dict(save_strategy="steps", max_steps=12, **case)
     trainer = _train(tokenizer, far_dataset, tmp_path / "full", record=full, **save)
     trainer.train()
     again = _train(tokenizer, far_dataset, tmp_path / "full", record=resumed, **save)
-    again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-6"))
-    later = [d for d in full if d[0] >= 6]
+    again.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{case['save_steps']}"))
+    later = [d for d in full if d[0] >= case["save_steps"]]
     assert [d[:2] for d in resumed] == [d[:2] for d in later]
     for a, b in zip(resumed, later):
         assert a[2] == b[2] and a[3] == pytest.approx(b[3]), a[:2]
     assert again._auto_probs.choice == trainer._auto_probs.choice
+    sums = again._auto_probs.stats.sums
+    assert sums.keys() == trainer._auto_probs.stats.sums.keys()
+    assert all(sums[k] == pytest.approx(v) for k, v in trainer._auto_probs.stats.sums.items())
 
 
 def _peak_bytes(trainer) -> int:
@@ -257,29 +273,31 @@ def test_extra_memory_is_at_most_one_gradient(tokenizer, far_dataset, tmp_path, 
 
 
 @pytest.mark.parametrize("case, per_block", [
-    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=14), 2),  # B / 2B: 2 steps a block
-    (dict(max_steps=8), 1),  # accumulation: micro-batch vs accumulated gradient, 1 step a block
+    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=20), 2),  # B / 2B: 2 steps a block
+    (dict(max_steps=10), 1),  # accumulation: micro-batch vs accumulated gradient, 1 step a block
 ], ids=["single", "accumulation"])
 def test_first_decision_comes_early(tokenizer, far_dataset, tmp_path, monkeypatch, case, per_block):
-    """Both families auto: warm-up blocks exact, branch, exact, branch, position, position; the branch is decided as
-    soon as it is resolved (block 4), the position family two blocks later, and p stays 1 for an unresolved one."""
+    """Both families auto: warm-up blocks exact, then each family's probe between two exact blocks, twice; the branch
+    is decided as soon as it is resolved (block 5), the position family four blocks later, and p stays 1 for an
+    unresolved one."""
     monkeypatch.setattr(auto, "head_share", lambda config: 0.3)  # position pruning can save MIN_GAIN
     trainer = _train(tokenizer, far_dataset, tmp_path, position_keep_prob="auto", **case)
     trainer.train()
     probs = trainer._auto_probs
     assert probs.families == ["branch", "position"]
-    assert [probs.kind(block * per_block) for block in range(6)] == ["exact", "branch", "exact", "branch",
-                                                                     "position", "position"]
-    assert (probs.history[0]["step"], probs.history[0]["decided"]) == (4 * per_block, ["branch"]), probs.history
+    assert [probs.kind(block * per_block) for block in range(9)] == ["exact", "branch", "exact", "branch", "exact",
+                                                                     "position", "exact", "position", "exact"]
+    assert (probs.history[0]["step"], probs.history[0]["decided"]) == (5 * per_block, ["branch"]), probs.history
     assert probs.history[0]["position_keep_prob"] == 1.0
     both = next(h for h in probs.history if h["decided"] == ["branch", "position"])
-    assert both["step"] == 6 * per_block, probs.history  # single: 8 and 12; accumulation: 4 and 6
+    assert both["step"] == 9 * per_block, probs.history  # single: 10 and 18; accumulation: 5 and 9
 
 
 def _bare(families, single=False, batch=8):
     """An AutoKeepProbs without a trainer: the schedule and the decision from given running sums."""
     probs = object.__new__(auto.AutoKeepProbs)
     probs.families, probs.single, probs.batch, probs.head = families, single, batch, 0.0
+    probs.trainer, probs.floor = SimpleNamespace(state=SimpleNamespace(max_steps=1000)), 0.0
     probs.load_state_dict(None)
     return probs
 
@@ -319,3 +337,54 @@ def test_ratio_bound_cancels_a_shared_scale():
     assert 2.0 < ratio[0] < ratio[1] < ratio[2] < 4.5, ratio
     apart = stats.mean("trace_exact", auto.UPPER_Z) / stats.mean("norm2_exact", -auto.UPPER_Z)
     assert apart > 1.5 * ratio[2], (apart, ratio)  # measured: 5.9 against 3.2
+
+
+def test_probe_units_cancel_the_drift():
+    """Gradient norms that fall 30% per step while a branch probe adds 80% to tr Σ: each probe is read in units of
+    the exact steps on both sides of it, so r comes out near 0.8; in the units of the exact step before it alone,
+    it comes out low (measured: 0.57)."""
+    probs, gen = _bare(["branch"]), torch.Generator().manual_seed(0)
+    micro, b, trace, norm2 = 4, 8, 40.0, 1.0
+    for step in range(120):
+        scale, extra = 0.7 ** min(step, 40), 0.8 if probs.kind(step) == "branch" else 0.0
+        noisy = lambda x: x * (1 + 0.05 * float(torch.randn((), generator=gen)))  # noqa: E731
+        small2, big2 = (scale * (norm2 + trace * (1 + extra) / size) for size in (b, micro * b))
+        totals = torch.tensor([micro * noisy(small2), micro * b, 1.0, 0.0, 0.5], dtype=torch.float64)
+        probs._pending = (step, totals, micro, torch.tensor(noisy(big2)).sqrt())
+        probs._fold()
+    (_, r), point = probs._bounds(auto.UPPER_Z, ["branch"]), probs._bounds(0.0, ["branch"])[1]["branch"]
+    assert 0.6 < point < 1.0 and point <= r["branch"] < 1.4, (point, r)
+    assert probs.stats.count("trace_branch") >= 8
+
+
+def test_loss_curve_bounds_what_pruning_gives_up():
+    """(A3): no room before LOSS_WINDOW steps, while the loss still falls fast, or while it rises; room once it
+    has flattened, more where the loss is near its floor; with the room, the choice prunes where B_simple is far
+    above B (the time to a loss only grows), and the work per step is what it minimises."""
+    gen = torch.Generator().manual_seed(0)
+
+    def curve(losses):
+        c = auto.LossCurve()
+        for step, loss in enumerate(losses):
+            c.add(step, loss + 0.005 * float(torch.randn((), generator=gen)))
+        return c
+
+    flat = [0.7 * math.exp(-step / 2) + 0.05 for step in range(30)]
+    assert curve(flat[:7]).room(7, 100, 0.0) == 0.0
+    steep = [0.7 - 0.005 * step for step in range(30)]  # far above its floor, falling at its start's rate
+    assert curve(steep).room(30, 100, 0.0) < 0.1
+    assert curve(list(reversed(steep))).room(30, 100, 0.0) == 0.0  # rising
+    flattened = curve(flat)
+    room = flattened.room(30, 100, 0.0)
+    assert room > 0.5 and flattened.room(30, 40, 0.0) > room  # fewer steps left: less to give up
+    assert flattened.room(30, 2000, None) < flattened.room(30, 2000, 0.0)  # the floor bounds what is left to gain
+    assert auto.LossCurve(flattened.state_dict()).room(30, 100, 0.0) == room  # a checkpoint's curve
+    keep = auto.choose(b_simple=math.inf, r_branch=1.3, r_position=0.0, batch=32, head=0.0, branch_auto=True,
+                       position_auto=False, branch_half_cost=0.8)
+    assert keep[:2] == (1.0, 1.0)
+    pick = auto.choose(b_simple=math.inf, r_branch=1.3, r_position=0.0, batch=32, head=0.0, branch_auto=True,
+                       position_auto=False, branch_half_cost=0.8, room=0.6)
+    assert pick[0] == 0.5 and pick[2] > 1.0 and "flat loss curve" in pick[3]  # 1 - 1 / 2.3 = 0.57 <= 0.6
+    tighter = auto.choose(b_simple=math.inf, r_branch=1.3, r_position=0.0, batch=32, head=0.0, branch_auto=True,
+                          position_auto=False, branch_half_cost=0.8, room=0.4)
+    assert tighter[0] == 0.75  # 1 - 1 / (1 + 1.3 / 3) = 0.30 <= 0.4 < 0.43 at 0.625

@@ -1,15 +1,10 @@
-"""`auto` keep probabilities from the gradient noise scale (docs/method.md, "auto", Eqs. A1-A2).
+"""`auto` keep probabilities from the gradient noise scale and the loss curve (docs/method.md, "auto", Eqs. A1-A3).
 
-Minimise T(p) ∝ c(p) (1 + B_simple (1 + r(p)) / B) over the grids, within MAX_STEP_INFLATION more steps, at one-sided
-UPPER_Z bounds of B_simple = tr Σ / |G|² and r (the extra per-pair variance of pruning over tr Σ); keep everything
-unless MIN_GAIN is saved. Measured from squared gradient norms at two batch sizes at the same parameters (McCandlish
-et al. 2018, App. A.1), no extra forward: |G_small|², each micro-batch's local gradient, summed by parameter hooks in
-the backward training runs anyway (before accumulation and any reduction; FSDP2: its unsharded parameters), and
-|G_big|², the pre-clip norm the engine's `clip_grad_norm_` returns for the accumulated, reduced gradient. Without
-accumulation or a second process: two consecutive steps of one kind, B and 2B (one gradient-sized buffer; the
-parameters move one step in between). r: the same on probe steps at p = 1/2, tr Σ there over tr Σ exact, minus one.
+Measured from squared gradient norms training computes anyway, at two batch sizes at the same parameters (McCandlish
+et al. 2018, App. A.1): each micro-batch's local gradient (parameter hooks; FSDP2: its unsharded parameters) and the
+step's accumulated, reduced pre-clip norm (the engine's `clip_grad_norm_`), or, without accumulation or a second
+process, two consecutive steps, B and 2B (one gradient-sized buffer). method/noise.py estimates and chooses.
 """
-
 import math
 
 import torch
@@ -17,16 +12,12 @@ from transformers import TrainerCallback
 
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
-    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, Running, choose, extra_noise, head_share, relative_step_cost, steps_factor,
-    trace_and_norm2,
+    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, Running, choose, extra_noise, head_share, relative_step_cost,
+    steps_factor, trace_and_norm2,
 )
 
 PROBE_EVERY, MIN_SAMPLES = 16, 2  # blocks between exact / half probes after the warm-up; samples before a decision
 RARELY = 4  # a family that no keep probability pays for even at the optimistic bounds is probed 4 times less often
-
-
-def _plus(total, value):
-    return value if total is None else total + value
 
 
 class AutoKeepProbs(TrainerCallback):
@@ -39,33 +30,37 @@ class AutoKeepProbs(TrainerCallback):
                          if on]  # a family that cannot save MIN_GAIN is neither probed nor chosen
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.single = args.gradient_accumulation_steps * max(args.world_size, 1) == 1  # the B / 2B path
+        self.floor = None if "robust" in args.loss_type else 0.0  # the other losses are >= 0 (A3)
         self._hooks, self._hooked, self._size, self._buffer, self._clip, self._stored = [], set(), 0, None, None, None
         self.load_state_dict(None)
 
-    def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume
-        return self._fold() or {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history,
-                                "futile": self.futile}
+    def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume; a B / 2B pair it
+        self._first = self._fold()  # splits yields no sample, resumed or not (the first step's gradient is not saved)
+        return {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history, "futile": self.futile,
+                "loss_curve": self.curve.state_dict(), "level": self.level, "probe": self._probe}
 
     def load_state_dict(self, state):
-        state, self._pending, self._small, self._dot, self._pairs, self._work = state or {}, None, None, None, 0, 0
-        sums = {} if "norm2" in state.get("sums", {}) else state.get("sums")  # an earlier estimator's: measured anew
+        state, self._pending, self._small, self._dot, self._pairs, self._work = state or {}, None, 0, 0, 0, 0
+        sums = state.get("sums") if "level" in state else {}  # an earlier estimator's: measured anew
         self.stats, self._first, self.history = Running(sums), None, list(state.get("history", []))
         self.choice = tuple(state.get("choice", (1.0, 1.0, 1.0, "before the first decision: keep everything")))
         self.futile = list(state.get("futile", []))  # families probed RARELY (saved: the kinds of steps follow it)
+        self.curve, self.level, self._probe = LossCurve(state.get("loss_curve")), state.get("level"), state.get("probe")
 
     def kind(self, step: int) -> str:
         """"exact", a family's probe or "choice": a function of the step and the (rank-identical, saved) state. The
-        warm-up, exact F1 exact F1 F2 F2, resolves the first family after 4 blocks and the second after 6."""
+        warm-up, E F1 E F1 E F2 E F2 E, resolves the first family after 5 blocks and the second after 9; then every
+        PROBE_EVERY blocks one exact block and one probe between two exact ones (its units, A3)."""
         block, fams = step // (2 if self.single else 1), self.families
-        warm_up = ["exact", fams[0], "exact", fams[0], *[f for f in fams[1:] for _ in "ab"]] if fams else []
+        warm_up = ["exact", *[kind for f in fams for kind in (f, "exact", f, "exact")]] if fams else []
         if block < len(warm_up):
             return warm_up[block]
-        if fams and block % (PROBE_EVERY // 2) == 0:
-            turn = block // PROBE_EVERY
-            if block % PROBE_EVERY == 0:
-                return "exact"
-            if fams[turn % len(fams)] not in self.futile or turn % (RARELY * len(fams)) < len(fams):
-                return fams[turn % len(fams)]
+        cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
+        if fams and cycle in (0, PROBE_EVERY // 2 + 1):
+            return "exact"
+        if fams and cycle == PROBE_EVERY // 2 and (
+                fams[turn % len(fams)] not in self.futile or turn % (RARELY * len(fams)) < len(fams)):
+            return fams[turn % len(fams)]
         return "exact" if fams and self.choice[:2] == (1.0, 1.0) else "choice"
 
     def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
@@ -77,7 +72,7 @@ class AutoKeepProbs(TrainerCallback):
                                                                                            self.choice[:2])
         self._pairs, options = self._pairs + inputs["input_ids"].size(0) // 2, dict(base_options)
         if self.args.branch_keep_prob == "auto":
-            overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"])
+            overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"], inputs.get("attention_mask"))
             options["branch_keep_prob"] = per_pair_branch_probs(overlap, float(branch))
         if self.args.position_keep_prob == "auto":
             options["position_keep_prob"] = float(position)
@@ -109,7 +104,7 @@ class AutoKeepProbs(TrainerCallback):
     def _on_grad(self, grad, offset):
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
         grad, step = grad.detach(), self.trainer.state.global_step  # (no copy of the gradient, whatever its layout)
-        self._small = _plus(self._small, torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        self._small = self._small + torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         if self.single and self.kind(step) != "choice":  # the first step of a pair keeps its gradient for the second
             if self._buffer is None:
                 self._buffer = torch.empty(self._size, dtype=grad.dtype, device=grad.device)
@@ -117,7 +112,7 @@ class AutoKeepProbs(TrainerCallback):
             if step % 2 == 0:
                 part.copy_(grad)
             elif self._stored == step - 1:
-                self._dot = _plus(self._dot, torch.tensordot(grad.float(), part.float(), grad.dim()))
+                self._dot = self._dot + torch.tensordot(grad.float(), part.float(), grad.dim())
 
     def on_substep_end(self, args, state, control, **kwargs):
         stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units (fwd 1, bwd 2, reference 1)
@@ -125,19 +120,19 @@ class AutoKeepProbs(TrainerCallback):
             stats.get("reference_tokens_executed", 0)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """One all-reduce of four scalars on every rank, every step; read (synced) at the next decision."""
+        """One all-reduce of five scalars on every rank, every step (no sync here); read at the next decision."""
         self.on_substep_end(args, state, control)
         trainer = self.trainer
         accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
         device = trainer.accelerator.device
         local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
-                             for x in (self._small, self._pairs, self._work, self._dot)])  # no sync here
+                             for x in (self._small, self._pairs, self._work, self._dot, trainer._step_loss)])
         local[0] *= accumulation ** 2
         clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
         self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
                          accumulation * trainer.accelerator.num_processes, clip)
         self._stored = state.global_step if self.single and self.kind(state.global_step) != "choice" else None
-        self._small, self._dot, self._clip, self._pairs, self._work = None, None, None, 0, 0
+        self._small, self._dot, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
 
     def on_train_end(self, args, state, control, **kwargs):
         [handle.remove() for handle in self._hooks]
@@ -148,7 +143,8 @@ class AutoKeepProbs(TrainerCallback):
         if self._pending is None:
             return
         (step, totals, micro, clip), self._pending = self._pending, None
-        (small2, pairs, work, dot), kind, sizes = totals.tolist(), self.kind(step), None
+        (small2, pairs, work, dot, loss), kind, sizes = totals.tolist(), self.kind(step), None
+        self.curve.add(step, loss / (micro or 1))  # every kind of step: the loss's value is exact or unbiased
         if kind == "choice":
             return
         self.stats.add(f"work_{kind}", work / max(pairs, 1))
@@ -159,39 +155,43 @@ class AutoKeepProbs(TrainerCallback):
         elif self.single and self._first is not None and self._first[1:] == [step - 1, kind]:  # B and 2B pairs
             first, self._first = self._first[0], None
             sizes = (first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs
-        if sizes:  # per kind: tr Σ, |G|², their product (B_simple of the kind: a ratio estimator); each step in units
-            trace, norm2 = (x / (sizes[0] or 1.0) for x in trace_and_norm2(*sizes))  # of its |G_small|²: alike weights
+        if sizes and kind == "exact":  # tr Σ, |G|², their product (B_simple: a ratio estimator), each in units of
+            trace, norm2 = (x / (sizes[0] or 1.0) for x in trace_and_norm2(*sizes))  # the step's |G_small|²
             for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
-                self.stats.add(f"{name}_{kind}", value)
+                self.stats.add(f"{name}_exact", value)
+            if self._probe:  # a probe's tr Σ in units of the exact steps' |G_small|² around it (drift cancels)
+                self.stats.add(f"trace_{self._probe[1]}", self._probe[0] / math.sqrt(self._probe[2] * sizes[0]))
+            self._probe, self.level = None, sizes[0]
+        elif sizes and self.level:  # waits for the next exact step
+            self._probe = [trace_and_norm2(*sizes)[0], kind, self.level]
 
     def _decide(self, step: int):
-        """Choose (A1) at the UPPER_Z bounds among the families resolved so far (MIN_SAMPLES probes; the others keep
-        p = 1): B_simple's, and r's from the family's B_simple above over the exact one below (each bound one-sided
-        at UPPER_Z: jointly more conservative than 90%). A family that even the opposite (optimistic) bounds keep
-        at p = 1 is probed RARELY until they no longer do."""
+        """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family
+        that even the opposite (optimistic) bounds keep at p = 1 is probed RARELY until they no longer do."""
         self._fold()
         s, ready = self.stats, [f for f in self.families if self.stats.count(f"trace_{f}") >= MIN_SAMPLES - 0.1]
         if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:  # decayed counts: 2 samples count 1.9995
             return
         half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
         (b_up, r), (b_low, r_low) = self._bounds(UPPER_Z, ready), self._bounds(-UPPER_Z, ready)
-        pick = lambda b, r: choose(b, r.get("branch", 0.0), r.get("position", 0.0), self.batch, self.head,  # noqa
-                                   "branch" in ready, "position" in ready, half)
-        choice, hope = pick(b_up, r), pick(b_low, r_low)
+        room = [self.curve.room(step, self.trainer.state.max_steps, self.floor, z) for z in (UPPER_Z, -UPPER_Z)]
+        pick = lambda b, r, room: choose(b, r.get("branch", 0.0), r.get("position", 0.0), self.batch,  # noqa: E731
+                                         self.head, "branch" in ready, "position" in ready, half, room)
+        choice, hope = pick(b_up, r, room[0]), pick(b_low, r_low, room[1])
         futile = [f for f in ready if hope[("branch", "position").index(f)] == 1.0]
         last = self.history[-1] if self.history else {}
         if (choice[:2], ready) != (self.choice[:2], last.get("decided")) or step % 10 == 0:
-            point = s.ratio("trace_exact", "norm2_exact", "cross_exact")
-            self.history.append({"step": step, "decided": ready, "b_simple": point, "b_simple_upper": b_up,
-                                 "b_simple_lower": b_low, "r_branch": r.get("branch"), "r_position": r.get("position"),
-                                 "branch_half_cost": half, "branch_keep_prob": choice[0],
-                                 "position_keep_prob": choice[1], "probed_rarely": futile, "reason": choice[3]})
+            self.history.append({"step": step, "decided": ready, "b_simple": s.ratio("trace_exact", "norm2_exact",
+                                 "cross_exact"), "b_simple_upper": b_up, "b_simple_lower": b_low, "r_branch":
+                                 r.get("branch"), "r_position": r.get("position"), "branch_half_cost": half,
+                                 "branch_keep_prob": choice[0], "position_keep_prob": choice[1], "probed_rarely":
+                                 futile, "loss_room": room[0], "reason": choice[3]})
         self.choice, self.futile = choice, futile
 
     def _bounds(self, z: float, ready) -> tuple[float, dict]:
         """B_simple and each family's r, z standard errors on the pruning-averse side (z < 0: the optimistic side).
-        r + 1: the probes' B_simple over the exact one, tr Σ over tr Σ with each step's scale |G|² divided out."""
-        ratio = lambda k, z: self.stats.ratio(f"trace_{k}", f"norm2_{k}", f"cross_{k}", z)  # noqa: E731
-        low = ratio("exact", -z)  # the exact B_simple on the other side, for r
-        r = {f: max(ratio(f, z) / low - 1, 0.0) if low > 0 else (math.inf if z > 0 else 0.0) for f in ready}
-        return (ratio("exact", z) if all(map(math.isfinite, r.values())) else math.inf), r
+        r + 1: tr Σ of the family's probes over tr Σ of exact steps, in units of the exact steps' |G_small|²."""
+        low = self.stats.mean("trace_exact", -z)
+        r = {f: max(self.stats.mean(f"trace_{f}", z) / low - 1, 0.0) if low > 0 else (math.inf if z > 0 else 0.0)
+             for f in ready}
+        return self.stats.ratio("trace_exact", "norm2_exact", "cross_exact", z), r

@@ -151,10 +151,16 @@ def common_prefix(input_ids: torch.Tensor, response: torch.Tensor, attention_mas
 NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
 
 
-def pair_overlap(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+def pair_overlap(input_ids: torch.Tensor, completion_mask: torch.Tensor, attention_mask=None) -> torch.Tensor:
     """(pairs,) fraction of the longer response's positions where chosen and rejected hold the same token after the
-    same token, in the same column (responses start at the same column in TRL's padded batch). Near-copies ~1; two
-    independent answers ~0, even where separators happen to line up (the preceding token then differs)."""
+    same token, counted from each row's first real token (`attention_mask`; column 0 without it), where a pair's
+    responses start alike. Near-copies ~1; two independent answers ~0, even where separators happen to line up (the
+    preceding token then differs)."""
+    if attention_mask is not None:  # a left-padding collator's rows, aligned as common_prefix aligns them
+        offset = attention_mask.long().argmax(dim=1)
+        cols = torch.arange(input_ids.size(1), device=input_ids.device)
+        input_ids = from_first_real(input_ids, offset)
+        completion_mask = from_first_real(completion_mask, offset) * (offset[:, None] + cols < input_ids.size(1))
     agree = pair_agreement(input_ids, completion_mask)
     resp_w, resp_l = completion_mask[:, 1:].bool().chunk(2)
     same = (agree[:, 1:] & agree[:, :-1] & resp_w).sum(dim=1).double()

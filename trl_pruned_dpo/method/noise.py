@@ -2,7 +2,8 @@
 
 McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training"): B_simple = tr Σ / |G|² from squared gradient
 norms at two batch sizes (App. A.1), steps to a loss ∝ 1 + B_noise / B (Eq. 2.7); pruning's extra variance counted as
-added noise, r(p) per pair over tr Σ. auto.py measures; this module estimates and chooses.
+added noise, r(p) per pair over tr Σ; the loss curve bounds what extra steps cost by the end of the run (A3). auto.py
+measures; this module estimates and chooses.
 """
 
 import math
@@ -11,6 +12,7 @@ from ..config import BRANCH_GRID, POSITION_GRID
 
 MIN_GAIN, MAX_STEP_INFLATION, UPPER_Z = 0.05, 0.05, 1.28  # saving required; extra steps allowed; one-sided 90% bound
 DECAY = 0.97  # weight of the past per measured sample in the running sums (~33 samples of memory)
+MAX_LOSS_GIVEN_UP, LOSS_WINDOW = 0.1, 8  # (A3): share of the loss gained so far; the recent steps it reads
 
 
 def head_share(config) -> float:
@@ -42,24 +44,67 @@ def trace_and_norm2(small2: float, big2: float, small: float, big: float) -> tup
     return (small2 - big2) / (1.0 / small - 1.0 / big), (big * big2 - small * small2) / (big - small)
 
 
-def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_auto, branch_half_cost=0.75):
-    """(branch p, position p, time ratio, reason): (A1) minimised over the grids within +MAX_STEP_INFLATION steps."""
-    if not math.isfinite(b_simple):
+def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_auto, branch_half_cost=0.75, room=0.0):
+    """(branch p, position p, time ratio, reason): (A1) minimised over the grids within +MAX_STEP_INFLATION steps; where
+    the loss curve allows more (`room`, LossCurve.room: 1 - 1/f up to it, A3), the least work per step within it."""
+    flat = room > 1 - 1 / (1 + MAX_STEP_INFLATION)  # equal steps: the curve has flattened (A3)
+    if not (math.isfinite(b_simple) or flat):
         return 1.0, 1.0, 1.0, "keep everything: the noise scale is not resolved yet"
     noise = lambda pb, pp: extra_noise(r_branch, pb) + extra_noise(r_position, pp)  # noqa: E731
     cost = lambda pb, pp: relative_step_cost(pb, branch_half_cost, pp, head)  # noqa: E731
-    time = lambda pb, pp: cost(pb, pp) * steps_factor(b_simple, noise(pb, pp), batch)  # noqa: E731
-    best, base = (1.0, 1.0), time(1.0, 1.0)
+    share = b_simple / (batch + b_simple) if math.isfinite(b_simple) else 1.0  # (A2); r's share of extra steps
+    steps = lambda pb, pp: 1 + noise(pb, pp) * share  # noqa: E731 - steps to a loss over the exact gradient's
+    time = lambda pb, pp: cost(pb, pp) * steps(pb, pp)  # noqa: E731
+    goal, best = (cost if flat else time), (1.0, 1.0)
     for pb in sorted(BRANCH_GRID if branch_auto else (1.0,), reverse=True):
         for pp in sorted(POSITION_GRID if position_auto else (1.0,), reverse=True):
-            inflation = steps_factor(b_simple, noise(pb, pp), batch) / steps_factor(b_simple, 0.0, batch)
-            cheaper = time(pb, pp) < min(time(*best) * (1 - 1e-9), base * (1 - MIN_GAIN))
-            if cheaper and inflation <= 1 + MAX_STEP_INFLATION:
+            inflation = steps(pb, pp)
+            within = inflation <= 1 + MAX_STEP_INFLATION or (flat and 1 - 1 / inflation <= room)
+            if within and goal(pb, pp) < min(goal(*best) * (1 - 1e-9), goal(1.0, 1.0) * (1 - MIN_GAIN)):
                 best = (pb, pp)
-    verdict = "prune" if best != (1.0, 1.0) else f"keep everything (none saves {MIN_GAIN:.0%} within +5% steps)"
-    return (*best, time(*best) / base, f"{verdict}: B_simple <= {b_simple:.1f} vs {batch} pairs per step; at 1/2 "
+    rule = f"loss given up <= {MAX_LOSS_GIVEN_UP:.0%} of the loss gained" if flat else "+5% steps"
+    verdict = "prune" if best != (1.0, 1.0) else f"keep everything (none saves {MIN_GAIN:.0%} within {rule})"
+    return (*best, time(*best), f"{verdict}: B_simple <= {b_simple:.1f} vs {batch} pairs per step; at 1/2 "
             f"branch adds <= {r_branch:.2f}x, position <= {r_position:.2f}x the minibatch noise; work per step "
-            f"x{cost(*best):.2f}, time to a loss x{time(*best) / base:.2f}")
+            f"x{cost(*best):.2f}, time to a loss x{time(*best):.2f}" + (
+                f", steps to a loss x{1 / (1 - room):.2f} allowed by the flat loss curve" if flat and room < 1 else
+                ", any steps allowed by the flat loss curve" if flat else ""))
+
+
+class LossCurve:
+    """The training loss of each optimizer step (reduced over ranks): its start, and its recent level and rate as
+    one-sided UPPER_Z bounds from a least-squares line over the last LOSS_WINDOW steps (A3)."""
+
+    def __init__(self, state=None):
+        self.start, self.recent = list((state or {}).get("start", [])), list((state or {}).get("recent", []))
+
+    def state_dict(self) -> dict:
+        return {"start": self.start, "recent": self.recent}
+
+    def add(self, step: int, loss: float):
+        if math.isfinite(loss):
+            self.start = self.start if len(self.start) >= 2 else [*self.start, loss]
+            self.recent = [*self.recent, [step, loss]][-LOSS_WINDOW:]
+
+    def room(self, step: int, max_steps: int, floor: float | None, z: float = UPPER_Z) -> float:
+        """(A3) The largest 1 - 1/f, f the steps to a loss over the exact gradient's, at which pruning from `step` on
+        gives up at most MAX_LOSS_GIVEN_UP of the loss gained since the start by step `max_steps`: on a convex curve
+        that is at most (1 - 1/f) R, R what the exact run can still gain, at most its rate now times the steps left
+        and, for a loss bounded below by `floor`, the distance to it. 0 before LOSS_WINDOW steps; inf if R <= 0."""
+        if len(self.recent) < LOSS_WINDOW or max_steps <= step:
+            return 0.0
+        n, (s, loss) = len(self.recent), zip(*self.recent)
+        s_mean, l_mean = sum(s) / n, sum(loss) / n
+        sxx = sum((x - s_mean) ** 2 for x in s)
+        slope = sum((x - s_mean) * (y - l_mean) for x, y in zip(s, loss)) / sxx
+        var = sum((y - l_mean - slope * (x - s_mean)) ** 2 for x, y in zip(s, loss)) / (n - 2)
+        now = l_mean + slope * (s[-1] - s_mean) + z * math.sqrt(var * (1 / n + (s[-1] - s_mean) ** 2 / sxx))
+        rate = -slope + z * math.sqrt(var / sxx)
+        if rate <= 0:  # rising: not the convex, falling curve (A3) reads
+            return 0.0
+        rest = rate * (max_steps - step) if floor is None else min(rate * (max_steps - step), max(now - floor, 0.0))
+        gained = sum(self.start) / len(self.start) - now
+        return 0.0 if gained <= 0 else math.inf if rest <= 0 else MAX_LOSS_GIVEN_UP * gained / rest
 
 
 class Running:
