@@ -388,3 +388,16 @@ def test_loss_curve_bounds_what_pruning_gives_up():
     tighter = auto.choose(b_simple=math.inf, r_branch=1.3, r_position=0.0, batch=32, head=0.0, branch_auto=True,
                           position_auto=False, branch_half_cost=0.8, room=0.4)
     assert tighter[0] == 0.75  # 1 - 1 / (1 + 1.3 / 3) = 0.30 <= 0.4 < 0.43 at 0.625
+
+
+def test_no_second_probe_where_a_branch_draw_saves_nothing():
+    """Near-copies keep both branches, so a branch probe of near-copy data costs what an exact step costs: after the
+    first probe the family is probed RARELY (its second warm-up probe runs exact), before r is even resolved."""
+    for half, futile in ((1.0, True), (0.8, False)):
+        probs = _bare(["branch"])
+        probs.stats.add("work_exact", 10.0)
+        probs.stats.add("work_branch", 10.0 * half)
+        probs._decide(2)
+        assert (probs.futile == ["branch"]) is futile
+        assert probs.kind(3) == ("exact" if futile else "branch")
+        assert probs.choice[:2] == (1.0, 1.0)  # nothing resolved yet: keep everything

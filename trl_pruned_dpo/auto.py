@@ -54,7 +54,7 @@ class AutoKeepProbs(TrainerCallback):
         block, fams = step // (2 if self.single else 1), self.families
         warm_up = ["exact", *[kind for f in fams for kind in (f, "exact", f, "exact")]] if fams else []
         if block < len(warm_up):
-            return warm_up[block]
+            return "exact" if warm_up[block] in self.futile else warm_up[block]  # a second probe only if it can pay
         cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
         if fams and cycle in (0, PROBE_EVERY // 2 + 1):
             return "exact"
@@ -170,15 +170,17 @@ class AutoKeepProbs(TrainerCallback):
         that even the opposite (optimistic) bounds keep at p = 1 is probed RARELY until they no longer do."""
         self._fold()
         s, ready = self.stats, [f for f in self.families if self.stats.count(f"trace_{f}") >= MIN_SAMPLES - 0.1]
+        half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
+        idle = {"branch"} if "work_branch" in s.sums and half > 1 - MIN_GAIN else set()  # near-copies: none saves
+        self.futile = sorted({*self.futile, *idle})
         if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:  # decayed counts: 2 samples count 1.9995
             return
-        half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
         (b_up, r), (b_low, r_low) = self._bounds(UPPER_Z, ready), self._bounds(-UPPER_Z, ready)
         room = [self.curve.room(step, self.trainer.state.max_steps, self.floor, z) for z in (UPPER_Z, -UPPER_Z)]
         pick = lambda b, r, room: choose(b, r.get("branch", 0.0), r.get("position", 0.0), self.batch,  # noqa: E731
                                          self.head, "branch" in ready, "position" in ready, half, room)
         choice, hope = pick(b_up, r, room[0]), pick(b_low, r_low, room[1])
-        futile = [f for f in ready if hope[("branch", "position").index(f)] == 1.0]
+        futile = sorted({*idle, *(f for f in ready if hope[("branch", "position").index(f)] == 1.0)})
         last = self.history[-1] if self.history else {}
         if (choice[:2], ready) != (self.choice[:2], last.get("decided")) or step % 10 == 0:
             self.history.append({"step": step, "decided": ready, "b_simple": s.ratio("trace_exact", "norm2_exact",

@@ -15,6 +15,14 @@ DECAY = 0.97  # weight of the past per measured sample in the running sums (~33 
 MAX_LOSS_GIVEN_UP, LOSS_WINDOW = 0.1, 8  # (A3): share of the loss gained so far; the recent steps it reads
 
 
+def student(z: float, dof: float) -> float:
+    """Student's t quantile at the normal quantile z for `dof` degrees of freedom (Cornish-Fisher, three terms: within
+    4% from one degree of freedom on): a bound read from few samples is as wide as they allow."""
+    d = max(dof, 1.0)
+    return (z + (z ** 3 + z) / (4 * d) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * d ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * d ** 3))
+
+
 def head_share(config) -> float:
     """Share of a token's FLOPs in the LM head (d V against ~4 d² + 3 d f per layer); 0 if unknown."""
     d, layers, vocab = (getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
@@ -98,6 +106,7 @@ class LossCurve:
         sxx = sum((x - s_mean) ** 2 for x in s)
         slope = sum((x - s_mean) * (y - l_mean) for x, y in zip(s, loss)) / sxx
         var = sum((y - l_mean - slope * (x - s_mean)) ** 2 for x, y in zip(s, loss)) / (n - 2)
+        z = student(z, n - 2)
         now = l_mean + slope * (s[-1] - s_mean) + z * math.sqrt(var * (1 / n + (s[-1] - s_mean) ** 2 / sxx))
         rate = -slope + z * math.sqrt(var / sxx)
         if rate <= 0:  # rising: not the convex, falling curve (A3) reads
@@ -121,10 +130,11 @@ class Running:
         w, w2, _, _ = self.sums.get(name, [0.0, 1.0, 0.0, 0.0])
         return w * w / w2
 
-    def mean(self, name, z=0.0):  # z: that many standard errors above (below, if negative) the mean
+    def mean(self, name, z=0.0):  # z: a normal quantile; the bound is Student's t at the samples' degrees of freedom
         w, w2, sx, sxx = self.sums[name]
         mean = sx / w
-        return mean + z * math.sqrt(max(sxx / w - mean * mean, 0.0) / max(self.count(name) - 1, 1))
+        dof = max(self.count(name) - 1, 1)
+        return mean + student(z, dof) * math.sqrt(max(sxx / w - mean * mean, 0.0) / dof)
 
     def ratio(self, num, den, cross, z=0.0):
         """mean(num) / mean(den) of quantities added together (`cross`: their product), z standard errors above
@@ -136,4 +146,5 @@ class Running:
             return math.inf if z >= 0 else 0.0
         ratio = sn / sd
         spread = max(snn - 2 * ratio * sc + ratio * ratio * sdd, 0.0) / w  # E (num - R den)², its mean being 0
-        return max(ratio + z * math.sqrt(spread / max(self.count(num) - 1, 1)) / (sd / w), 0.0)
+        dof = max(self.count(num) - 1, 1)
+        return max(ratio + student(z, dof) * math.sqrt(spread / dof) / (sd / w), 0.0)
