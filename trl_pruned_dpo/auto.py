@@ -194,6 +194,6 @@ class AutoKeepProbs(TrainerCallback):
         """B_simple and each family's r, z standard errors on the pruning-averse side (z < 0: the optimistic side).
         r + 1: tr Σ of the family's probes over tr Σ of exact steps, in units of the exact steps' |G_small|²."""
         low = self.stats.mean("trace_exact", -z)
-        r = {f: max(self.stats.mean(f"trace_{f}", z) / low - 1, 0.0) if low > 0 else (math.inf if z > 0 else 0.0)
-             for f in ready}
+        r = {f: max(self.stats.mean(f"trace_{f}", z, "trace_exact") / low - 1, 0.0) if low > 0 else
+             (math.inf if z > 0 else 0.0) for f in ready}
         return self.stats.ratio("trace_exact", "norm2_exact", "cross_exact", z), r
