@@ -320,7 +320,7 @@ def test_a_family_no_keep_prob_pays_for_is_probed_rarely():
         assert (probs.futile == ["branch"]) is futile, probs.history
         assert (probs.choice[0] < 1.0) is not futile  # B_simple ≈ 100 against 4096 pairs per step: prune
         probes = [b for b in range(4, 260) if probs.kind(b) == "branch"]
-        assert probes == ([8, 72, 136, 200] if futile else list(range(8, 260, 16)))
+        assert probes == ([65, 129, 193, 257] if futile else list(range(17, 260, 16)))
         assert probs.state_dict()["futile"] == probs.futile  # saved: a resume probes on the same steps
 
 
@@ -394,10 +394,11 @@ def test_no_second_probe_where_a_branch_draw_saves_nothing():
     """Near-copies keep both branches, so a branch probe of near-copy data costs what an exact step costs: after the
     first probe the family is probed RARELY (its second warm-up probe runs exact), before r is even resolved."""
     for half, futile in ((1.0, True), (0.8, False)):
-        probs = _bare(["branch"])
-        probs.stats.add("work_exact", 10.0)
-        probs.stats.add("work_branch", 10.0 * half)
-        probs._decide(2)
+        probs = _bare(["branch"], single=True)
+        for work in (10.0, 10.2):  # the two steps of a B / 2B block, each
+            probs.stats.add("work_exact", work)
+            probs.stats.add("work_branch", work * half)
+        probs._decide(4)
         assert (probs.futile == ["branch"]) is futile
-        assert probs.kind(3) == ("exact" if futile else "branch")
+        assert probs.kind(6) == ("exact" if futile else "branch")
         assert probs.choice[:2] == (1.0, 1.0)  # nothing resolved yet: keep everything

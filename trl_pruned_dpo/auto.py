@@ -50,15 +50,15 @@ class AutoKeepProbs(TrainerCallback):
     def kind(self, step: int) -> str:
         """"exact", a family's probe or "choice": a function of the step and the (rank-identical, saved) state. The
         warm-up, E F1 E F1 E F2 E F2 E, resolves the first family after 5 blocks and the second after 9; then every
-        PROBE_EVERY blocks one exact block and one probe between two exact ones (its units, A3)."""
+        PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units)."""
         block, fams = step // (2 if self.single else 1), self.families
         warm_up = ["exact", *[kind for f in fams for kind in (f, "exact", f, "exact")]] if fams else []
         if block < len(warm_up):
             return "exact" if warm_up[block] in self.futile else warm_up[block]  # a second probe only if it can pay
         cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
-        if fams and cycle in (0, PROBE_EVERY // 2 + 1):
+        if fams and cycle in (0, 2):
             return "exact"
-        if fams and cycle == PROBE_EVERY // 2 and (
+        if fams and cycle == 1 and (
                 fams[turn % len(fams)] not in self.futile or turn % (RARELY * len(fams)) < len(fams)):
             return fams[turn % len(fams)]
         return "exact" if fams and self.choice[:2] == (1.0, 1.0) else "choice"
@@ -171,7 +171,8 @@ class AutoKeepProbs(TrainerCallback):
         self._fold()
         s, ready = self.stats, [f for f in self.families if self.stats.count(f"trace_{f}") >= MIN_SAMPLES - 0.1]
         half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
-        idle = {"branch"} if "work_branch" in s.sums and half > 1 - MIN_GAIN else set()  # near-copies: none saves
+        idle = {"branch"} if s.count("work_branch") > 1.9 and s.mean("work_branch", -UPPER_Z) > (  # near-copies:
+            1 - MIN_GAIN) * s.mean("work_exact") else set()  # no branch draw saves MIN_GAIN (90% sure)
         self.futile = sorted({*self.futile, *idle})
         if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:  # decayed counts: 2 samples count 1.9995
             return
