@@ -201,7 +201,7 @@ def test_auto_measures_from_the_norms_training_computes(tokenizer, far_dataset, 
     probs = trainer._auto_probs
     assert probs.history and probs.history[0]["step"] <= 10, probs.history
     assert math.isfinite(probs.history[0]["b_simple"]) and probs.history[0]["b_simple"] > 0
-    assert probs.stats.count("trace_branch") >= 1.9 and probs.stats.count("trace_exact") >= 1.9
+    assert probs.stats.count("ratio_branch") >= 1.9 and probs.stats.count("trace_exact") >= 1.9
     kinds = {probs.kind(step) for step, *_ in draws}
     assert {"exact", "branch"} <= kinds
     exact = _train(tokenizer, far_dataset, tmp_path / "exact", **{**case, "branch_keep_prob": 1.0})  # TRL's path
@@ -310,10 +310,10 @@ def test_a_family_no_keep_prob_pays_for_is_probed_rarely():
         probs = _bare(["branch"], batch=batch)
         for _ in range(40):
             noise = lambda: float(torch.randn((), generator=gen)) * 5  # noqa: E731
-            for kind, trace in (("exact", 100 + noise()), ("branch", 300 + noise())):
-                norm2 = 1 + noise() / 100
-                for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
-                    probs.stats.add(f"{name}_{kind}", value)
+            trace, norm2 = 100 + noise(), 1 + noise() / 100
+            for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
+                probs.stats.add(f"{name}_exact", value)
+            probs.stats.add("ratio_branch", (300 + noise()) / trace)  # r = 2
             probs.stats.add("work_exact", 1.0)
             probs.stats.add("work_branch", 0.75)
         probs._decide(100)
@@ -340,9 +340,9 @@ def test_ratio_bound_cancels_a_shared_scale():
 
 
 def test_probe_units_cancel_the_drift():
-    """Gradient norms that fall 30% per step while a branch probe adds 80% to tr Σ: each probe is read in units of
-    the exact steps on both sides of it, so r comes out near 0.8; in the units of the exact step before it alone,
-    it comes out low (measured: 0.57)."""
+    """Gradient norms that fall 30% per step while a branch probe adds 80% to tr Σ: each probe's tr Σ is read
+    against the exact blocks' on both sides of it, so r comes out near 0.8; against the exact block before it
+    alone, it comes out low (measured: 0.57)."""
     probs, gen = _bare(["branch"]), torch.Generator().manual_seed(0)
     micro, b, trace, norm2 = 4, 8, 40.0, 1.0
     for step in range(120):
@@ -354,7 +354,7 @@ def test_probe_units_cancel_the_drift():
         probs._fold()
     (_, r), point = probs._bounds(auto.UPPER_Z, ["branch"]), probs._bounds(0.0, ["branch"])[1]["branch"]
     assert 0.6 < point < 1.0 and point <= r["branch"] < 1.4, (point, r)
-    assert probs.stats.count("trace_branch") >= 8
+    assert probs.stats.count("ratio_branch") >= 8
 
 
 def test_loss_curve_bounds_what_pruning_gives_up():

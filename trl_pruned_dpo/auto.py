@@ -155,21 +155,22 @@ class AutoKeepProbs(TrainerCallback):
         elif self.single and self._first is not None and self._first[1:] == [step - 1, kind]:  # B and 2B pairs
             first, self._first = self._first[0], None
             sizes = (first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs
+        raw = trace_and_norm2(*sizes)[0] if sizes else 0.0  # tr Σ >= 0 on both paths (Jensen; b |g1 - g2|² / 2)
         if sizes and kind == "exact":  # tr Σ, |G|², their product (B_simple: a ratio estimator), each in units of
             trace, norm2 = (x / (sizes[0] or 1.0) for x in trace_and_norm2(*sizes))  # the step's |G_small|²
             for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
                 self.stats.add(f"{name}_exact", value)
-            if self._probe:  # a probe's tr Σ in units of the exact steps' |G_small|² around it (drift cancels)
-                self.stats.add(f"trace_{self._probe[1]}", self._probe[0] / math.sqrt(self._probe[2] * sizes[0]))
-            self._probe, self.level = None, sizes[0]
+            if self._probe and raw > 0:  # r + 1: a probe's tr Σ over the exact blocks' on both sides (drift cancels)
+                self.stats.add(f"ratio_{self._probe[1]}", self._probe[0] / math.sqrt(self._probe[2] * raw))
+            self._probe, self.level = None, raw
         elif sizes and self.level:  # waits for the next exact step
-            self._probe = [trace_and_norm2(*sizes)[0], kind, self.level]
+            self._probe = [raw, kind, self.level]
 
     def _decide(self, step: int):
         """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family
         that even the opposite (optimistic) bounds keep at p = 1 is probed RARELY until they no longer do."""
         self._fold()
-        s, ready = self.stats, [f for f in self.families if self.stats.count(f"trace_{f}") >= MIN_SAMPLES - 0.1]
+        s, ready = self.stats, [f for f in self.families if self.stats.count(f"ratio_{f}") >= MIN_SAMPLES - 0.1]
         half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
         idle = {"branch"} if s.count("work_branch") > 1.9 and s.mean("work_branch", -UPPER_Z) > (  # near-copies:
             1 - MIN_GAIN) * s.mean("work_exact") else set()  # no branch draw saves MIN_GAIN (90% sure)
@@ -192,9 +193,7 @@ class AutoKeepProbs(TrainerCallback):
         self.choice, self.futile = choice, futile
 
     def _bounds(self, z: float, ready) -> tuple[float, dict]:
-        """B_simple and each family's r, z standard errors on the pruning-averse side (z < 0: the optimistic side).
-        r + 1: tr Σ of the family's probes over tr Σ of exact steps, in units of the exact steps' |G_small|²."""
-        low = self.stats.mean("trace_exact", -z)
-        r = {f: max(self.stats.mean(f"trace_{f}", z, "trace_exact") / low - 1, 0.0) if low > 0 else
-             (math.inf if z > 0 else 0.0) for f in ready}
+        """B_simple and each family's r at their 90% bounds on the pruning-averse side (z < 0: the optimistic side);
+        r + 1: each probe's tr Σ over that of the exact blocks on both sides of it, averaged."""
+        r = {f: max(self.stats.mean(f"ratio_{f}", z) - 1, 0.0) for f in ready}
         return self.stats.ratio("trace_exact", "norm2_exact", "cross_exact", z), r

@@ -130,18 +130,10 @@ class Running:
         w, w2, _, _ = self.sums.get(name, [0.0, 1.0, 0.0, 0.0])
         return w * w / w2
 
-    def mean(self, name, z=0.0, like=None):
-        """The mean, or its bound at normal quantile z (Student's t at the samples' degrees of freedom). `like`: a
-        quantity measured alike from more samples; its relative spread is a floor on this one's (two can agree by
-        chance: two branch probes once read r <= 0 where r is about 1.2)."""
+    def mean(self, name, z=0.0):  # z: a normal quantile; the bound is Student's t at the samples' degrees of freedom
         w, w2, sx, sxx = self.sums[name]
         mean, dof = sx / w, max(self.count(name) - 1, 1)
-        error = abs(student(z, dof)) * math.sqrt(max(sxx / w - mean * mean, 0.0) / dof)
-        if like in self.sums and self.sums[like][2]:
-            lw, _, lx, lxx = self.sums[like]
-            spread = math.sqrt(max(lxx / lw - (lx / lw) ** 2, 0.0)) / abs(lx / lw)
-            error = max(error, abs(student(z, self.count(like) - 1) * mean) * spread / math.sqrt(self.count(name)))
-        return mean + math.copysign(error, z)
+        return mean + student(z, dof) * math.sqrt(max(sxx / w - mean * mean, 0.0) / dof)
 
     def ratio(self, num, den, cross, z=0.0):
         """mean(num) / mean(den) of quantities added together (`cross`: their product), z standard errors above
