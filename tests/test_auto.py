@@ -390,9 +390,9 @@ def test_loss_curve_bounds_what_pruning_gives_up():
     assert tighter[0] == 0.75  # 1 - 1 / (1 + 1.3 / 3) = 0.30 <= 0.4 < 0.43 at 0.625
 
 
-def test_no_second_probe_where_a_branch_draw_saves_nothing():
-    """Near-copies keep both branches, so a branch probe of near-copy data costs what an exact step costs: after the
-    first probe the family is probed RARELY (its second warm-up probe runs exact), before r is even resolved."""
+def test_probed_rarely_where_a_branch_draw_saves_nothing():
+    """Near-copies keep both branches, so a branch probe of near-copy data costs what an exact step costs: from its
+    first probe block on the family is probed RARELY after the warm-up, before r is even resolved."""
     for half, futile in ((1.0, True), (0.8, False)):
         probs = _bare(["branch"], single=True)
         for work in (10.0, 10.2):  # the two steps of a B / 2B block, each
@@ -400,5 +400,6 @@ def test_no_second_probe_where_a_branch_draw_saves_nothing():
             probs.stats.add("work_branch", work * half)
         probs._decide(4)
         assert (probs.futile == ["branch"]) is futile
-        assert probs.kind(6) == ("exact" if futile else "branch")
+        assert probs.kind(6) == "branch"  # the warm-up's second probe: r is resolved, and the decision recorded
+        assert probs.kind(2 * 17) == ("exact" if futile else "branch")  # block 17: the first regular probe
         assert probs.choice[:2] == (1.0, 1.0)  # nothing resolved yet: keep everything

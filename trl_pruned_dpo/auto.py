@@ -54,7 +54,7 @@ class AutoKeepProbs(TrainerCallback):
         block, fams = step // (2 if self.single else 1), self.families
         warm_up = ["exact", *[kind for f in fams for kind in (f, "exact", f, "exact")]] if fams else []
         if block < len(warm_up):
-            return "exact" if warm_up[block] in self.futile else warm_up[block]  # a second probe only if it can pay
+            return warm_up[block]
         cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
         if fams and cycle in (0, 2):
             return "exact"
