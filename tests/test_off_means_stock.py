@@ -45,8 +45,10 @@ def assert_same_step(stock, pruned, batch_size=4, machinery=True):
     torch.testing.assert_close(loss_p, loss_s, rtol=1e-5, atol=1e-6)
     assert grads_s.keys() == grads_p.keys()
     for name in grads_s:
-        scale = float(grads_s[name].abs().max()) + 1e-12  # round-off is relative to the tensor's magnitude
-        torch.testing.assert_close(grads_p[name], grads_s[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+        # Round-off is relative to the tensor's magnitude: packed and padded sums in another order differ by up to
+        # 1.8e-5 of it (a Qwen2 bias gradient, measured on a Xeon with AVX512); a wrong mask differs by O(1).
+        scale = float(grads_s[name].abs().max()) + 1e-12
+        torch.testing.assert_close(grads_p[name], grads_s[name], rtol=1e-4, atol=5e-5 * scale, msg=name)
     metrics_s = {k: v[-1] for k, v in stock._metrics["train"].items()}
     metrics_p = {k: v[-1] for k, v in pruned._metrics["train"].items()}
     for key, value in metrics_s.items():

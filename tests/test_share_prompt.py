@@ -57,7 +57,7 @@ def assert_same_loss_and_grads(unshared, shared, batch_size=8):
     assert grads_u.keys() == grads_s.keys()
     for name in grads_u:
         scale = float(grads_u[name].abs().max()) + 1e-12
-        torch.testing.assert_close(grads_s[name], grads_u[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+        torch.testing.assert_close(grads_s[name], grads_u[name], rtol=1e-4, atol=5e-5 * scale, msg=name)
 
 
 CASES = [  # (model builder, attention, config overrides)
