@@ -155,9 +155,9 @@ class AutoKeepProbs(TrainerCallback):
         elif self.single and self._first is not None and self._first[1:] == [step - 1, kind]:  # B and 2B pairs
             first, self._first = self._first[0], None
             sizes = (first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs
-        raw = trace_and_norm2(*sizes)[0] if sizes else 0.0  # tr Σ >= 0 on both paths (Jensen; b |g1 - g2|² / 2)
+        raw, raw_norm2 = trace_and_norm2(*sizes) if sizes else (0.0, 0.0)  # tr Σ >= 0 (Jensen; b |g1 - g2|² / 2)
         if sizes and kind == "exact":  # tr Σ, |G|², their product (B_simple: a ratio estimator), each in units of
-            trace, norm2 = (x / (sizes[0] or 1.0) for x in trace_and_norm2(*sizes))  # the step's |G_small|²
+            trace, norm2 = raw / (sizes[0] or 1.0), raw_norm2 / (sizes[0] or 1.0)  # the step's |G_small|²
             for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
                 self.stats.add(f"{name}_exact", value)
             if self._probe and raw > 0:  # r + 1: a probe's tr Σ over the exact blocks' on both sides (drift cancels)

@@ -60,8 +60,9 @@ def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_au
         return 1.0, 1.0, 1.0, "keep everything: the noise scale is not resolved yet"
     noise = lambda pb, pp: extra_noise(r_branch, pb) + extra_noise(r_position, pp)  # noqa: E731
     cost = lambda pb, pp: relative_step_cost(pb, branch_half_cost, pp, head)  # noqa: E731
-    share = b_simple / (batch + b_simple) if math.isfinite(b_simple) else 1.0  # (A2); r's share of extra steps
-    steps = lambda pb, pp: 1 + noise(pb, pp) * share  # noqa: E731 - steps to a loss over the exact gradient's
+    # steps to a loss over the exact gradient's, (A1)'s factor; as B_simple grows without bound, 1 + r
+    steps = lambda pb, pp: (steps_factor(b_simple, noise(pb, pp), batch) / steps_factor(b_simple, 0.0, batch)  # noqa
+                            if math.isfinite(b_simple) else 1 + noise(pb, pp))
     time = lambda pb, pp: cost(pb, pp) * steps(pb, pp)  # noqa: E731
     goal, best = (cost if flat else time), (1.0, 1.0)
     for pb in sorted(BRANCH_GRID if branch_auto else (1.0,), reverse=True):
