@@ -1,4 +1,5 @@
-"""The `auto` rows of issue 21 from a regimes study folder: per cell and seed, `auto` and a fixed branch 0.5 against
+"""The `auto` rows of issue 21 from a regimes study folder: per cell and seed, `auto` (one micro-batch per step: the
+B / 2B path; `auto_cp_acc2`, two: the engine path) and a fixed branch 0.5 against
 the exact plugin run of the same seed (`common_prefix`: the unpruned path, which computes stock's loss): held-out
 accuracy at N and averaged over the evaluations from N to 1.5 N (less noisy than one evaluation), the work to N
 over the exact run's (token clock), and the first step `auto` chose to prune.
@@ -37,19 +38,19 @@ def main(argv=None):
     folder, *cells = argv or sys.argv[1:]
     for cell in cells:
         print(f"{cell}:")
-        for setting in ("auto_cp", "branch_cp"):
+        for setting in ("auto_cp", "auto_cp_acc2", "branch_cp"):
             found = list(rows(Path(folder), cell, setting))
             if not found:
                 continue
             seeds = [r for _, _, r in found]
             exact = ", ".join(f"{100 * at(e, 'pref_acc'):.1f}" for _, e, _ in found)
-            line = (f"  {setting:9s} seeds {[s[0] for s in seeds]}: exact @N {exact}; Δ@N "
+            line = (f"  {setting:12s} seeds {[s[0] for s in seeds]}: exact @N {exact}; Δ@N "
                     + ", ".join(f"{s[1]:+.1f}" for s in seeds) + f" (mean {statistics.mean(s[1] for s in seeds):+.1f})"
                     + "; Δ N..1.5N " + ", ".join(f"{s[2]:+.1f}" for s in seeds)
                     + f" (mean {statistics.mean(s[2] for s in seeds):+.1f}); work to N "
                     + ", ".join(f"{s[3]:.3f}" for s in seeds) + " of exact's (x"
                     + ", x".join(f"{1 / s[3]:.2f}" for s in seeds) + " faster)")
-            if setting == "auto_cp":
+            if setting.startswith("auto"):
                 first = [min((h["step"] for h in run.get("auto") or [] if h["branch_keep_prob"] < 1), default=None)
                          for run, _, _ in found]
                 line += f"; first step pruned {first}"

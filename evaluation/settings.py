@@ -20,6 +20,7 @@ class Setting:
     mask_law: str = "trainer"
     balanced: bool = False  # prototype: half the pairs backpropagate chosen, half rejected (prototypes.py)
     anneal: float = 0.0  # prototype: fraction of training over which keep probabilities ramp to 1 (prototypes.py)
+    accumulation: int = 1  # micro-batches per step (the batch size per step is unchanged): `auto`'s engine path
 
     @property
     def prototype(self) -> bool:
@@ -70,6 +71,8 @@ _ALL = [
             {"branch_keep_prob": "auto", "position_keep_prob": "auto", **CP}),
     Setting("auto_share_cp", "auto branch + position + common prefix + shared prompt (packed)",
             {"branch_keep_prob": "auto", "position_keep_prob": "auto", **CP, "share_prompt": True}),
+    Setting("auto_cp_acc2", "auto branch + position + common prefix, 2 micro-batches per step",
+            {"branch_keep_prob": "auto", "position_keep_prob": "auto", **CP}, accumulation=2),
     # Diagnostics-only grid.
     Setting("branch_ind", "branch 0.5 independent", {**BRANCH, "branch_sampling": "independent"}),
     Setting("branch_bal", "branch 0.5, balanced", BRANCH, balanced=True),
@@ -118,7 +121,8 @@ DIAGNOSED = [  # by family, the way a user picks: exact, branch, position, prefi
     "combined_cp_rows", "combined_cp", "combined_cp_shared", "combined_cp_shared_bal", "posprefix_cp",
     "posprefix_cp_shared",
 ]
-assert set(DIAGNOSED) == {s.name for s in _ALL if s.name not in ("stock", "pruned_off", "auto_cp", "auto_share_cp")
+assert set(DIAGNOSED) == {s.name for s in _ALL if s.name not in ("stock", "pruned_off")
+                          and not s.name.startswith("auto")
                           and not s.anneal}
 # Diagnosed on far pairs too (tasks.far_pairs), to show where the near-copy noise comes from.
 FAR_DIAGNOSED = ["branch", "branch_ind", "branch_cp", "branch_ind_cp", "position_rows", "position_cp_rows",

@@ -38,8 +38,8 @@ def setting_key(setting) -> dict:
     """What identifies a setting's results. Prototype options added after results were first cached are left out
     at their default, so adding one does not invalidate those results."""
     key = asdict(setting)
-    for late in ("balanced",):
-        if not key[late]:
+    for late in ("balanced", "accumulation"):
+        if key[late] in (False, 1):
             del key[late]
     law = key.pop("mask_law")  # was a boolean `shared_masks` when the first results were cached
     key["shared_masks"] = law == "pair"

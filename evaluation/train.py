@@ -112,8 +112,8 @@ def build_trainer(setting: Setting, policy_dir: str, train_ds, eval_ds, seed: in
                   output_dir: str):
     """The trainer of `setting` from the starting policy in `policy_dir` (policy and reference both load it)."""
     common = dict(
-        output_dir=output_dir, per_device_train_batch_size=cfg.batch_size,
-        per_device_eval_batch_size=cfg.eval_batch_size, max_steps=max_steps, learning_rate=cfg.learning_rate,
+        output_dir=output_dir, per_device_train_batch_size=cfg.batch_size // setting.accumulation,
+        gradient_accumulation_steps=setting.accumulation, per_device_eval_batch_size=cfg.eval_batch_size, max_steps=max_steps, learning_rate=cfg.learning_rate,
         lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup, beta=cfg.beta,
         max_grad_norm=cfg.max_grad_norm, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
         seed=seed, data_seed=seed, report_to=[], logging_steps=1, save_strategy="no", eval_strategy="no",

@@ -10,6 +10,7 @@ from datasets import Dataset
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo import auto
+from trl_pruned_dpo.method import noise
 from trl_pruned_dpo.method.masks import draw_branches, draw_masks, draw_positions
 
 from conftest import build_trainer, preference_rows
@@ -253,8 +254,8 @@ def _peak_bytes(trainer) -> int:
 
 @pytest.mark.parametrize("accumulation", [2, 1], ids=["engine-norms", "B-2B-buffer"])
 def test_extra_memory_is_at_most_one_gradient(tokenizer, far_dataset, tmp_path, accumulation, monkeypatch):
-    """Peak CPU tensor memory of an auto run against the same run with its measurement switched off (no hooks: the
-    same draws, the same kinds of steps): no more than a few scalars with the engine's norms, at most one
+    """Peak CPU tensor memory of an auto run against the same run with its measurement switched off (no hooks, no
+    statistics: the same draws, the same kinds of steps while auto keeps everything): no more than a few scalars with the engine's norms, at most one
     gradient-sized buffer on the B / 2B path."""
     common = dict(per_device_train_batch_size=8 // accumulation, gradient_accumulation_steps=accumulation,
                   max_steps=6, logging_steps=100)
@@ -264,6 +265,7 @@ def test_extra_memory_is_at_most_one_gradient(tokenizer, far_dataset, tmp_path, 
     for name in ("auto", "unmeasured"):
         if name == "unmeasured":
             monkeypatch.setattr(auto.AutoKeepProbs, "_hook", lambda self, params: None)
+            monkeypatch.setattr(auto.AutoKeepProbs, "_fold", lambda self: None)  # no statistics: it never decides
         trainer = _train(tokenizer, far_dataset, tmp_path / name, **common)
         peaks[name] = _peak_bytes(trainer)
     gradient = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
@@ -349,12 +351,45 @@ def test_probe_units_cancel_the_drift():
         scale, extra = 0.7 ** min(step, 40), 0.8 if probs.kind(step) == "branch" else 0.0
         noisy = lambda x: x * (1 + 0.05 * float(torch.randn((), generator=gen)))  # noqa: E731
         small2, big2 = (scale * (norm2 + trace * (1 + extra) / size) for size in (b, micro * b))
-        totals = torch.tensor([micro * noisy(small2), micro * b, 1.0, 0.0, 0.5], dtype=torch.float64)
+        totals = torch.tensor([micro * noisy(small2), micro * b, 1.0, 0.0, 0.5, 0.0], dtype=torch.float64)
         probs._pending = (step, totals, micro, torch.tensor(noisy(big2)).sqrt())
         probs._fold()
     (_, r), point = probs._bounds(auto.UPPER_Z, ["branch"]), probs._bounds(0.0, ["branch"])[1]["branch"]
     assert 0.6 < point < 1.0 and point <= r["branch"] < 1.4, (point, r)
     assert probs.stats.count("ratio_branch") >= 8
+
+
+@pytest.mark.parametrize("drift", [True, False], ids=["drift-subtracted", "drift-ignored"])
+def test_one_process_pairs_subtract_the_mean_gradients_drift(monkeypatch, drift):
+    """The B / 2B path (one process, no accumulation) reads tr Σ from two consecutive steps, at different parameters:
+    b |g_t - g_(t+1)|² / 2 = tr Σ + b |d|² / 2 for a mean gradient moving by d per step. Here that drift is 10 times
+    the noise term and a branch probe adds 80% to tr Σ. With the drift read from consecutive pairs (Eq. A4) r comes
+    out near 0.8 (each probe ±0.3: the drift estimate is noisy where it dominates) and B_simple near its truth;
+    ignoring it (the estimator before), r reads near 0 and B_simple far above its truth."""
+    if not drift:
+        monkeypatch.setattr(noise, "pair_drift", lambda *_: 0.0)
+    probs, gen = _bare(["branch"], single=True, batch=32), torch.Generator().manual_seed(0)
+    dim, b, trace, extra = 4096, 32, 32.0, 0.8  # tr Σ per pair; |d|² = 10 (2 tr Σ / b)
+    start, step_drift = torch.randn(dim, generator=gen, dtype=torch.float64), torch.randn(dim, generator=gen,
+                                                                                        dtype=torch.float64)
+    start, step_drift = 30 * start, step_drift * math.sqrt(10 * 2 * trace / b / float(step_drift @ step_drift))
+    grads = {}
+    for step in range(120):
+        variance = trace * (1 + extra if probs.kind(step) == "branch" else 1) / b / dim
+        grads[step] = start + step * step_drift + torch.randn(dim, generator=gen, dtype=torch.float64) * variance ** 0.5
+        near = grads.get(step - 1 if step % 2 else step - 2)
+        totals = torch.tensor([float(grads[step] @ grads[step]), b, 1.0, float(grads[step] @ near) if step % 2 else 0.0,
+                               0.5, 0.0 if step % 2 or near is None else float(grads[step] @ near)], dtype=torch.float64)
+        probs._pending = (step, totals, 1, None)
+        probs._fold()
+    r = probs._bounds(0.0, ["branch"])[1]["branch"]
+    b_simple = probs.stats.ratio("trace_exact", "norm2_exact", "cross_exact")
+    truth = trace / float(grads[60] @ grads[60])
+    assert probs.stats.count("ratio_branch") >= 4
+    if drift:
+        assert 0.5 < r < 1.2 and 0.7 * truth < b_simple < 1.3 * truth, (r, b_simple, truth)  # measured: 1.03
+    else:
+        assert r < 0.2 and b_simple > 3 * truth, (r, b_simple, truth)
 
 
 def test_loss_curve_bounds_what_pruning_gives_up():

@@ -1,19 +1,18 @@
-"""`auto` keep probabilities from the gradient noise scale and the loss curve (docs/method.md, "auto", Eqs. A1-A3).
+"""`auto` keep probabilities from the gradient noise scale and the loss curve (docs/method.md, "auto", Eqs. A1-A4).
 
 Measured from squared gradient norms training computes anyway, at two batch sizes at the same parameters (McCandlish
 et al. 2018, App. A.1): each micro-batch's local gradient (parameter hooks; FSDP2: its unsharded parameters) and the
 step's accumulated, reduced pre-clip norm (the engine's `clip_grad_norm_`), or, without accumulation or a second
-process, two consecutive steps, B and 2B (one gradient-sized buffer). method/noise.py estimates and chooses.
+process, two consecutive steps, B and 2B, less the mean gradient's drift between them, read from consecutive pairs
+(one gradient-sized buffer, Eq. A4). method/noise.py estimates and chooses.
 """
-import math
-
 import torch
 from transformers import TrainerCallback
 
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
-    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, Running, choose, extra_noise, head_share, relative_step_cost,
-    steps_factor, trace_and_norm2,
+    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, Running, choose, extra_noise, head_share,
+    probe_ratio, relative_step_cost, steps_factor, trace_and_norm2,
 )
 
 PROBE_EVERY, MIN_SAMPLES = 16, 2  # blocks between exact / half probes after the warm-up; samples before a decision
@@ -31,21 +30,26 @@ class AutoKeepProbs(TrainerCallback):
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.single = args.gradient_accumulation_steps * max(args.world_size, 1) == 1  # the B / 2B path
         self.floor = None if "robust" in args.loss_type else 0.0  # the other losses are >= 0 (A3)
-        self._hooks, self._hooked, self._size, self._buffer, self._clip, self._stored = [], set(), 0, None, None, None
+        self._hooks, self._hooked, self._size, self._buffer, self._clip = [], set(), 0, None, None
         self.load_state_dict(None)
 
-    def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume; a B / 2B pair it
-        self._first = self._fold()  # splits yields no sample, resumed or not (the first step's gradient is not saved)
+    def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume
+        self._fold()
+        self._paired = PairedSteps()  # a B / 2B pair or link it splits: no sample, resumed or not (no buffer saved)
         return {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history, "futile": self.futile,
-                "loss_curve": self.curve.state_dict(), "level": self.level, "probe": self._probe}
+                "loss_curve": self.curve.state_dict(), "last_exact": self.level, "probe": self._probe}
 
     def load_state_dict(self, state):
-        state, self._pending, self._small, self._dot, self._pairs, self._work = state or {}, None, 0, 0, 0, 0
-        sums = state.get("sums") if "level" in state else {}  # an earlier estimator's: measured anew
-        self.stats, self._first, self.history = Running(sums), None, list(state.get("history", []))
+        state, self._pending, self._paired = state or {}, None, PairedSteps()
+        self._small, self._dot, self._gap, self._pairs, self._work = 0, 0, 0, 0, 0
+        self._stored, self._held = None, None  # the last measured step; the (even) step whose gradient the buffer holds
+        if "last_exact" not in state:  # an earlier estimator's statistics: measured anew
+            state = {key: value for key, value in state.items() if key not in ("sums", "probe")}
+        self.stats, self.history = Running(state.get("sums")), list(state.get("history", []))
         self.choice = tuple(state.get("choice", (1.0, 1.0, 1.0, "before the first decision: keep everything")))
         self.futile = list(state.get("futile", []))  # families probed RARELY (saved: the kinds of steps follow it)
-        self.curve, self.level, self._probe = LossCurve(state.get("loss_curve")), state.get("level"), state.get("probe")
+        self.curve, self._probe, self.level = LossCurve(state.get("loss_curve")), state.get("probe"), state.get(
+            "last_exact")  # the last exact block's [tr Σ, drift]
 
     def kind(self, step: int) -> str:
         """"exact", a family's probe or "choice": a function of the step and the (rank-identical, saved) state. The
@@ -56,12 +60,10 @@ class AutoKeepProbs(TrainerCallback):
         if block < len(warm_up):
             return warm_up[block]
         cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
-        if fams and cycle in (0, 2):
-            return "exact"
-        if fams and cycle == 1 and (
-                fams[turn % len(fams)] not in self.futile or turn % (RARELY * len(fams)) < len(fams)):
-            return fams[turn % len(fams)]
-        return "exact" if fams and self.choice[:2] == (1.0, 1.0) else "choice"
+        probe = fams[turn % len(fams)] if fams and cycle == 1 else None
+        if probe and (probe not in self.futile or turn % (RARELY * len(fams)) < len(fams)):
+            return probe
+        return "exact" if fams and (cycle in (0, 2) or self.choice[:2] == (1.0, 1.0)) else "choice"
 
     def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
         """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
@@ -109,30 +111,32 @@ class AutoKeepProbs(TrainerCallback):
             if self._buffer is None:
                 self._buffer = torch.empty(self._size, dtype=grad.dtype, device=grad.device)
             part = self._buffer[offset:offset + grad.numel()].view(grad.shape)
-            if step % 2 == 0:
+            if step % 2 == 0:  # after its dot with the previous pair's first step: their link (Eq. A4)
+                if self._held == step - 2:
+                    self._gap = self._gap + torch.tensordot(grad.float(), part.float(), grad.dim())
                 part.copy_(grad)
             elif self._stored == step - 1:
                 self._dot = self._dot + torch.tensordot(grad.float(), part.float(), grad.dim())
 
     def on_substep_end(self, args, state, control, **kwargs):
-        stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units (fwd 1, bwd 2, reference 1)
-        self._work += stats.get("policy_tokens_executed", 0) + 2 * stats.get("grad_tokens_executed", 0) + \
-            stats.get("reference_tokens_executed", 0)
+        stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units: forward 1, backward 2
+        self._work += sum(w * stats.get(f"{k}_tokens_executed", 0) for k, w in (("policy", 1), ("grad", 2),
+                                                                                   ("reference", 1)))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """One all-reduce of five scalars on every rank, every step (no sync here); read at the next decision."""
+        """One all-reduce of six scalars on every rank, every step (no sync here); read at the next decision."""
         self.on_substep_end(args, state, control)
-        trainer = self.trainer
+        trainer, device = self.trainer, self.trainer.accelerator.device
         accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
-        device = trainer.accelerator.device
         local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
-                             for x in (self._small, self._pairs, self._work, self._dot, trainer._step_loss)])
+                             for x in (self._small, self._pairs, self._work, self._dot, trainer._step_loss, self._gap)])
         local[0] *= accumulation ** 2
         clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
         self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
                          accumulation * trainer.accelerator.num_processes, clip)
         self._stored = state.global_step if self.single and self.kind(state.global_step) != "choice" else None
-        self._small, self._dot, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
+        self._held = self._stored if self._stored is not None and self._stored % 2 == 0 else self._held
+        self._small, self._dot, self._gap, self._clip, self._pairs, self._work = 0, 0, 0, None, 0, 0
 
     def on_train_end(self, args, state, control, **kwargs):
         [handle.remove() for handle in self._hooks]
@@ -143,28 +147,25 @@ class AutoKeepProbs(TrainerCallback):
         if self._pending is None:
             return
         (step, totals, micro, clip), self._pending = self._pending, None
-        (small2, pairs, work, dot, loss), kind, sizes = totals.tolist(), self.kind(step), None
+        (small2, pairs, work, dot, loss, gap), kind, sizes, drift = totals.tolist(), self.kind(step), None, 0.0
         self.curve.add(step, loss / (micro or 1))  # every kind of step: the loss's value is exact or unbiased
         if kind == "choice":
             return
         self.stats.add(f"work_{kind}", work / max(pairs, 1))
         if not self.single and clip is not None:
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
-        elif self.single and step % 2 == 0:
-            self._first = [small2, step, kind]
-        elif self.single and self._first is not None and self._first[1:] == [step - 1, kind]:  # B and 2B pairs
-            first, self._first = self._first[0], None
-            sizes = (first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs
-        raw, raw_norm2 = trace_and_norm2(*sizes) if sizes else (0.0, 0.0)  # tr Σ >= 0 (Jensen; b |g1 - g2|² / 2)
+        elif self.single:  # B and 2B pairs, and the drift between their two steps (None: not measured)
+            sizes, drift = self._paired.add(step, kind, small2, dot, gap, pairs)
+        raw, raw_norm2 = trace_and_norm2(*sizes) if sizes else (0.0, 0.0)  # B / 2B: b |g1 - g2|² / 2 = tr Σ + drift
         if sizes and kind == "exact":  # tr Σ, |G|², their product (B_simple: a ratio estimator), each in units of
-            trace, norm2 = raw / (sizes[0] or 1.0), raw_norm2 / (sizes[0] or 1.0)  # the step's |G_small|²
+            trace, norm2 = (raw - (drift or 0.0)) / (sizes[0] or 1.0), raw_norm2 / (sizes[0] or 1.0)  # |G_small|²
             for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
-                self.stats.add(f"{name}_exact", value)
-            if self._probe and raw > 0:  # r + 1: a probe's tr Σ over the exact blocks' on both sides (drift cancels)
-                self.stats.add(f"ratio_{self._probe[1]}", self._probe[0] / math.sqrt(self._probe[2] * raw))
-            self._probe, self.level = None, raw
+                self.stats.add(f"{name}_exact", value) if drift is not None else None
+            if self._probe and (ratio := probe_ratio(self._probe, raw, drift)) is not None:  # r + 1 (A4)
+                self.stats.add(f"ratio_{self._probe[1]}", ratio)
+            self._probe, self.level = None, [raw, drift]
         elif sizes and self.level:  # waits for the next exact step
-            self._probe = [raw, kind, self.level]
+            self._probe = [raw, kind, *self.level, drift]
 
     def _decide(self, step: int):
         """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family

@@ -1,4 +1,4 @@
-"""The noise-scale arithmetic of `auto` (docs/method.md, "auto", Eqs. A1-A2): pure functions of numbers.
+"""The noise-scale arithmetic of `auto` (docs/method.md, "auto", Eqs. A1-A4): pure functions of numbers.
 
 McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training"): B_simple = tr Σ / |G|² from squared gradient
 norms at two batch sizes (App. A.1), steps to a loss ∝ 1 + B_noise / B (Eq. 2.7); pruning's extra variance counted as
@@ -13,6 +13,7 @@ from ..config import BRANCH_GRID, POSITION_GRID
 MIN_GAIN, MAX_STEP_INFLATION, UPPER_Z = 0.05, 0.05, 1.28  # saving required; extra steps allowed; one-sided 90% bound
 DECAY = 0.97  # weight of the past per measured sample in the running sums (~33 samples of memory)
 MAX_LOSS_GIVEN_UP, LOSS_WINDOW = 0.1, 8  # (A3): share of the loss gained so far; the recent steps it reads
+UNRESOLVED = 10.0  # r + 1 read from a probe whose exact neighbours' noise the drift hides: prune at no probability
 
 
 def student(z: float, dof: float) -> float:
@@ -50,6 +51,52 @@ def steps_factor(b_simple: float, r: float, batch: int) -> float:  # 1 + B_noise
 def trace_and_norm2(small2: float, big2: float, small: float, big: float) -> tuple[float, float]:
     """tr Σ and |G|² from E|G_b|² = |G|² + tr Σ / b at b = small and big (McCandlish et al. App. A.1)."""
     return (small2 - big2) / (1.0 / small - 1.0 / big), (big * big2 - small * small2) / (big - small)
+
+
+def pair_drift(link: float, first: float, second: float) -> float:
+    """|d|², the change of the mean gradient per step squared, from two consecutive B / 2B pairs (steps t, t+1 and
+    t+2, t+3) under a linear drift (Eq. A4): within a pair E|g_t - g_(t+1)|² = |d|² + 2 tr Σ_t / b (`first`,
+    `second`); across them E|g_(t+2) - g_t|² = 4 |d|² + (tr Σ_t + tr Σ_(t+2)) / b (`link`)."""
+    return (link - (first + second) / 2) / 3
+
+
+class PairedSteps:
+    """The B / 2B path (one process, no accumulation): a pair of consecutive steps t, t+1 of one kind is a batch of b
+    and one of 2b; linked to the previous pair by |g_t - g_(t-2)|², it also gives the mean gradient's drift that
+    b |g_t - g_(t+1)|² / 2 includes besides tr Σ (Eq. A4)."""
+
+    def __init__(self):
+        self.first, self.last = None, None  # [|g_t|², t, kind, link] of a pair's first step; [t, |g_t|², within]
+
+    def add(self, step: int, kind: str, small2: float, dot: float, gap: float, pairs: float):
+        """A step's |g|², its dot with the pair's first step (`dot`) or, on a first step, with the previous pair's
+        (`gap`) -> (the four arguments of trace_and_norm2, the drift in tr Σ's units or None) once a pair is whole."""
+        if step % 2 == 0:
+            link = self.last[1] + small2 - 2 * gap if self.last and self.last[0] == step - 2 else None
+            self.first = [small2, step, kind, link]
+            return None, None
+        if self.first is None or self.first[1:3] != [step - 1, kind]:
+            return None, None
+        (first, _, _, link), self.first = self.first, None
+        within = first + small2 - 2 * dot  # |g_t - g_(t+1)|²
+        drift = None if link is None else pairs * pair_drift(link, self.last[2], within) / 2
+        self.last = [step - 1, first, within]
+        return ((first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs), drift
+
+
+def probe_ratio(probe: list, after: float, after_drift: float | None) -> float | None:
+    """r + 1 of one probe, [its tr Σ, family, the exact block's before it, that block's drift, its own drift], read at
+    the exact block after it: its tr Σ over the geometric mean of theirs (a scale all three share cancels), each less
+    the drift of the mean gradient they share (Eq. A4; 0 on the engine path). UNRESOLVED where the drift leaves no
+    noise to compare with; None where it is not measured (a checkpoint split the pairs)."""
+    trace, _, before, before_drift, drift = probe
+    drifts = [d for d in (drift, after_drift) if d is not None] or [before_drift]
+    if None in drifts:
+        return None
+    drift = sum(drifts) / len(drifts)
+    if min(before, after) <= drift:
+        return UNRESOLVED
+    return min(max(trace - drift, 0.0) / math.sqrt((before - drift) * (after - drift)), UNRESOLVED)
 
 
 def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_auto, branch_half_cost=0.75, room=0.0):
