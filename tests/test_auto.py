@@ -190,17 +190,18 @@ def far_dataset():
     dict(),  # gradient accumulation: micro-batch vs accumulated gradient
     dict(per_device_train_batch_size=1, gradient_accumulation_steps=4),  # micro-batch of one pair
     dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
-    dict(per_device_train_batch_size=8, gradient_accumulation_steps=1),  # one process, no accumulation: B / 2B
+    dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=14),  # one process: B / 2B
     dict(max_grad_norm=0.0),  # no clipping: transformers still asks the engine for the norm (at max_norm inf)
 ], ids=["accumulation", "micro-batch-1", "reentrant-checkpointing", "single", "no-clipping"])
 def test_auto_measures_from_the_norms_training_computes(tokenizer, far_dataset, tmp_path, case):
-    """The first decision comes within 10 steps, from finite estimates; the draws of exact steps keep every branch
+    """The first decision comes within 10 steps (12 on the B / 2B path, whose first pair has no link, Eq. A4), from
+    finite estimates; the draws of exact steps keep every branch
     and those of probe steps halve the far pairs; num_tokens and the stock metrics are those of a run without auto."""
     draws = []
     trainer = _train(tokenizer, far_dataset, tmp_path / "auto", record=draws, **case)
     trainer.train()
     probs = trainer._auto_probs
-    assert probs.history and probs.history[0]["step"] <= 10, probs.history
+    assert probs.history and probs.history[0]["step"] <= (12 if probs.single else 10), probs.history
     assert math.isfinite(probs.history[0]["b_simple"]) and probs.history[0]["b_simple"] > 0
     assert probs.stats.count("ratio_branch") >= 1.9 and probs.stats.count("trace_exact") >= 1.9
     kinds = {probs.kind(step) for step, *_ in draws}
@@ -274,25 +275,26 @@ def test_extra_memory_is_at_most_one_gradient(tokenizer, far_dataset, tmp_path, 
     assert extra <= (gradient if accumulation == 1 else 0) + 1024, (extra, gradient)  # measured: 52 B; 1 gradient + 4 B
 
 
-@pytest.mark.parametrize("case, per_block", [
-    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=20), 2),  # B / 2B: 2 steps a block
-    (dict(max_steps=10), 1),  # accumulation: micro-batch vs accumulated gradient, 1 step a block
+@pytest.mark.parametrize("case, per_block, first", [
+    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=22), 2, 2),  # B / 2B: 2 steps a block
+    (dict(max_steps=10), 1, 1),  # accumulation: micro-batch vs accumulated gradient, 1 step a block
 ], ids=["single", "accumulation"])
-def test_first_decision_comes_early(tokenizer, far_dataset, tmp_path, monkeypatch, case, per_block):
-    """Both families auto: warm-up blocks exact, then each family's probe between two exact blocks, twice; the branch
-    is decided as soon as it is resolved (block 5), the position family four blocks later, and p stays 1 for an
-    unresolved one."""
+def test_first_decision_comes_early(tokenizer, far_dataset, tmp_path, monkeypatch, case, per_block, first):
+    """Both families auto: `first` exact blocks (B / 2B: two, as its first pair has no link), then each family's
+    probe between two exact blocks, twice; the branch is decided as soon as it is resolved (4 blocks later), the
+    position family four blocks after it, and p stays 1 for an unresolved one."""
     monkeypatch.setattr(auto, "head_share", lambda config: 0.3)  # position pruning can save MIN_GAIN
     trainer = _train(tokenizer, far_dataset, tmp_path, position_keep_prob="auto", **case)
     trainer.train()
     probs = trainer._auto_probs
     assert probs.families == ["branch", "position"]
-    assert [probs.kind(block * per_block) for block in range(9)] == ["exact", "branch", "exact", "branch", "exact",
-                                                                     "position", "exact", "position", "exact"]
-    assert (probs.history[0]["step"], probs.history[0]["decided"]) == (5 * per_block, ["branch"]), probs.history
+    assert [probs.kind(block * per_block) for block in range(first + 8)] == ["exact"] * first + [
+        "branch", "exact", "branch", "exact", "position", "exact", "position", "exact"]
+    decided = (first + 4) * per_block, ["branch"]
+    assert (probs.history[0]["step"], probs.history[0]["decided"]) == decided, probs.history
     assert probs.history[0]["position_keep_prob"] == 1.0
     both = next(h for h in probs.history if h["decided"] == ["branch", "position"])
-    assert both["step"] == 9 * per_block, probs.history  # single: 10 and 18; accumulation: 5 and 9
+    assert both["step"] == (first + 8) * per_block, probs.history  # single: 12 and 20; accumulation: 5 and 9
 
 
 def _bare(families, single=False, batch=8):
@@ -315,7 +317,7 @@ def test_a_family_no_keep_prob_pays_for_is_probed_rarely():
             trace, norm2 = 100 + noise(), 1 + noise() / 100
             for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
                 probs.stats.add(f"{name}_exact", value)
-            probs.stats.add("ratio_branch", (300 + noise()) / trace)  # r = 2
+            probs.stats.add("ratio_branch", math.log((300 + noise()) / trace))  # r = 2
             probs.stats.add("work_exact", 1.0)
             probs.stats.add("work_branch", 0.75)
         probs._decide(100)
@@ -392,6 +394,35 @@ def test_one_process_pairs_subtract_the_mean_gradients_drift(monkeypatch, drift)
         assert r < 0.2 and b_simple > 3 * truth, (r, b_simple, truth)
 
 
+def test_two_probes_that_agree_by_chance_are_read_as_noisy_as_the_exact_blocks():
+    """Heavy-tailed per-pair gradients make one block's tr Σ vary by factors of 2-4 from block to block; two probes
+    that happen to agree (here both read r + 1 ≈ 0.8) must not give a narrow bound. The exact blocks' jitter (second
+    differences of their log tr Σ, a trend cancels) floors each probe's variance at 1.5 σ²: r's bound stays wide."""
+    probs = _bare(["branch"], single=True)
+    for level in (7.0, 7.9, 6.8, 8.1, 7.2):  # exact blocks' log tr Σ: σ ≈ 0.9 per block
+        probs.probes.add(probs.stats, "exact", level)
+    for ratio in (math.log(0.80), math.log(0.82)):
+        probs.stats.add("ratio_branch", ratio)
+        for name in ("trace_exact", "norm2_exact", "cross_exact"):
+            probs.stats.add(name, 1.0)
+    assert probs.stats.count("jitter") > 2.9
+    r = probs._bounds(auto.UPPER_Z, ["branch"])[1]["branch"]
+    assert r > 3.0, r  # from the two probes' own spread alone: 0.00
+    assert math.exp(probs.stats.mean("ratio_branch", auto.UPPER_Z)) - 1 < 0.0
+
+
+def test_unresolved_blocks_prune_at_no_probability():
+    """A block whose estimate less the drift is not positive is unresolved (None): a probe read against it counts
+    r + 1 = UNRESOLVED (10), which keeps every branch."""
+    probs = _bare(["branch"], single=True)
+    for kind, level in (("exact", None), ("branch", 5.0), ("exact", 5.0)):
+        probs.probes.add(probs.stats, kind, level)
+    assert probs.stats.mean("ratio_branch") == pytest.approx(math.log(noise.UNRESOLVED))
+    probs.probes.add(probs.stats, "branch", None)  # a probe's own tr Σ unresolved: the same
+    probs.probes.add(probs.stats, "exact", 5.0)
+    assert probs.stats.mean("ratio_branch") == pytest.approx(math.log(noise.UNRESOLVED))
+
+
 def test_loss_curve_bounds_what_pruning_gives_up():
     """(A3): no room before LOSS_WINDOW steps, while the loss still falls fast, or while it rises; room once it
     has flattened, more where the loss is near its floor; with the room, the choice prunes where B_simple is far
@@ -435,6 +466,6 @@ def test_probed_rarely_where_a_branch_draw_saves_nothing():
             probs.stats.add("work_branch", work * half)
         probs._decide(4)
         assert (probs.futile == ["branch"]) is futile
-        assert probs.kind(6) == "branch"  # the warm-up's second probe: r is resolved, and the decision recorded
+        assert probs.kind(8) == "branch"  # the warm-up's second probe: r is resolved, and the decision recorded
         assert probs.kind(2 * 17) == ("exact" if futile else "branch")  # block 17: the first regular probe
         assert probs.choice[:2] == (1.0, 1.0)  # nothing resolved yet: keep everything

@@ -6,13 +6,15 @@ step's accumulated, reduced pre-clip norm (the engine's `clip_grad_norm_`), or, 
 process, two consecutive steps, B and 2B, less the mean gradient's drift between them, read from consecutive pairs
 (one gradient-sized buffer, Eq. A4). method/noise.py estimates and chooses.
 """
+import math
+
 import torch
 from transformers import TrainerCallback
 
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
-    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, Running, choose, extra_noise, head_share,
-    probe_ratio, relative_step_cost, steps_factor, trace_and_norm2,
+    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, choose, extra_noise,
+    head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
 )
 
 PROBE_EVERY, MIN_SAMPLES = 16, 2  # blocks between exact / half probes after the warm-up; samples before a decision
@@ -37,26 +39,26 @@ class AutoKeepProbs(TrainerCallback):
         self._fold()
         self._paired = PairedSteps()  # a B / 2B pair or link it splits: no sample, resumed or not (no buffer saved)
         return {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history, "futile": self.futile,
-                "loss_curve": self.curve.state_dict(), "last_exact": self.level, "probe": self._probe}
+                "loss_curve": self.curve.state_dict(), "probes": self.probes.state_dict()}
 
     def load_state_dict(self, state):
         state, self._pending, self._paired = state or {}, None, PairedSteps()
         self._small, self._dot, self._gap, self._pairs, self._work = 0, 0, 0, 0, 0
         self._stored, self._held = None, None  # the last measured step; the (even) step whose gradient the buffer holds
-        if "last_exact" not in state:  # an earlier estimator's statistics: measured anew
-            state = {key: value for key, value in state.items() if key not in ("sums", "probe")}
+        if "probes" not in state:  # an earlier estimator's statistics: measured anew
+            state = {key: value for key, value in state.items() if key != "sums"}
         self.stats, self.history = Running(state.get("sums")), list(state.get("history", []))
         self.choice = tuple(state.get("choice", (1.0, 1.0, 1.0, "before the first decision: keep everything")))
         self.futile = list(state.get("futile", []))  # families probed RARELY (saved: the kinds of steps follow it)
-        self.curve, self._probe, self.level = LossCurve(state.get("loss_curve")), state.get("probe"), state.get(
-            "last_exact")  # the last exact block's [tr Σ, drift]
+        self.curve, self.probes = LossCurve(state.get("loss_curve")), ProbeLevels(state.get("probes"))
 
     def kind(self, step: int) -> str:
         """"exact", a family's probe or "choice": a function of the step and the (rank-identical, saved) state. The
-        warm-up, E F1 E F1 E F2 E F2 E, resolves the first family after 5 blocks and the second after 9; then every
-        PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units)."""
+        warm-up, E F1 E F1 E F2 E F2 E (B / 2B: one more E first, as its first pair has no link, A4), resolves the
+        first family after 5 (6) blocks and the second after 9 (10); then every PROBE_EVERY blocks from block 16 on, a
+        probe between two exact blocks (its units)."""
         block, fams = step // (2 if self.single else 1), self.families
-        warm_up = ["exact", *[kind for f in fams for kind in (f, "exact", f, "exact")]] if fams else []
+        warm_up = ["exact"] * (1 + self.single) + [k for f in fams for k in (f, "exact", f, "exact")] if fams else []
         if block < len(warm_up):
             return warm_up[block]
         cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
@@ -156,16 +158,14 @@ class AutoKeepProbs(TrainerCallback):
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
         elif self.single:  # B and 2B pairs, and the drift between their two steps (None: not measured)
             sizes, drift = self._paired.add(step, kind, small2, dot, gap, pairs)
-        raw, raw_norm2 = trace_and_norm2(*sizes) if sizes else (0.0, 0.0)  # B / 2B: b |g1 - g2|² / 2 = tr Σ + drift
-        if sizes and kind == "exact":  # tr Σ, |G|², their product (B_simple: a ratio estimator), each in units of
-            trace, norm2 = (raw - (drift or 0.0)) / (sizes[0] or 1.0), raw_norm2 / (sizes[0] or 1.0)  # |G_small|²
+        if sizes is None or drift is None:  # B / 2B: a pair's first step, or a pair without its link
+            return
+        raw, raw_norm2 = trace_and_norm2(*sizes)  # B / 2B: b |g1 - g2|² / 2 = tr Σ + drift (A4)
+        self.probes.add(self.stats, kind, log_trace(raw, drift))  # r from probes between exact blocks
+        if kind == "exact":  # tr Σ, |G|², their product (B_simple: a ratio estimator), each in units of the step's
+            trace, norm2 = (raw - drift) / (sizes[0] or 1.0), raw_norm2 / (sizes[0] or 1.0)  # |G_small|²
             for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
-                self.stats.add(f"{name}_exact", value) if drift is not None else None
-            if self._probe and (ratio := probe_ratio(self._probe, raw, drift)) is not None:  # r + 1 (A4)
-                self.stats.add(f"ratio_{self._probe[1]}", ratio)
-            self._probe, self.level = None, [raw, drift]
-        elif sizes and self.level:  # waits for the next exact step
-            self._probe = [raw, kind, *self.level, drift]
+                self.stats.add(f"{name}_exact", value)
 
     def _decide(self, step: int):
         """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family
@@ -184,8 +184,7 @@ class AutoKeepProbs(TrainerCallback):
                                          self.head, "branch" in ready, "position" in ready, half, room)
         choice, hope = pick(b_up, r, room[0]), pick(b_low, r_low, room[1])
         futile = sorted({*idle, *(f for f in ready if hope[("branch", "position").index(f)] == 1.0)})
-        last = self.history[-1] if self.history else {}
-        if (choice[:2], ready) != (self.choice[:2], last.get("decided")) or step % 10 == 0:
+        if (choice[:2], ready) != (self.choice[:2], (self.history or [{}])[-1].get("decided")) or step % 10 == 0:
             self.history.append({"step": step, "decided": ready, "b_simple": s.ratio("trace_exact", "norm2_exact",
                                  "cross_exact"), "b_simple_upper": b_up, "b_simple_lower": b_low, "r_branch":
                                  r.get("branch"), "r_position": r.get("position"), "branch_half_cost": half,
@@ -195,6 +194,7 @@ class AutoKeepProbs(TrainerCallback):
 
     def _bounds(self, z: float, ready) -> tuple[float, dict]:
         """B_simple and each family's r at their 90% bounds on the pruning-averse side (z < 0: the optimistic side);
-        r + 1: each probe's tr Σ over that of the exact blocks on both sides of it, averaged."""
-        r = {f: max(self.stats.mean(f"ratio_{f}", z) - 1, 0.0) for f in ready}
+        log(r + 1) from probes between exact blocks, its standard error at least the exact blocks' (ProbeLevels)."""
+        spread = 1.5 * self.stats.mean("jitter") if "jitter" in self.stats.sums else 0.0  # one probe's variance
+        r = {f: max(math.exp(self.stats.mean(f"ratio_{f}", z, spread)) - 1, 0.0) for f in ready}
         return self.stats.ratio("trace_exact", "norm2_exact", "cross_exact", z), r

@@ -13,7 +13,7 @@ from ..config import BRANCH_GRID, POSITION_GRID
 MIN_GAIN, MAX_STEP_INFLATION, UPPER_Z = 0.05, 0.05, 1.28  # saving required; extra steps allowed; one-sided 90% bound
 DECAY = 0.97  # weight of the past per measured sample in the running sums (~33 samples of memory)
 MAX_LOSS_GIVEN_UP, LOSS_WINDOW = 0.1, 8  # (A3): share of the loss gained so far; the recent steps it reads
-UNRESOLVED = 10.0  # r + 1 read from a probe whose exact neighbours' noise the drift hides: prune at no probability
+UNRESOLVED = 10.0  # r + 1 of a probe whose tr Σ or its neighbours' the drift hides: prune at no probability
 
 
 def student(z: float, dof: float) -> float:
@@ -84,19 +84,43 @@ class PairedSteps:
         return ((first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs), drift
 
 
-def probe_ratio(probe: list, after: float, after_drift: float | None) -> float | None:
-    """r + 1 of one probe, [its tr Σ, family, the exact block's before it, that block's drift, its own drift], read at
-    the exact block after it: its tr Σ over the geometric mean of theirs (a scale all three share cancels), each less
-    the drift of the mean gradient they share (Eq. A4; 0 on the engine path). UNRESOLVED where the drift leaves no
-    noise to compare with; None where it is not measured (a checkpoint split the pairs)."""
-    trace, _, before, before_drift, drift = probe
-    drifts = [d for d in (drift, after_drift) if d is not None] or [before_drift]
-    if None in drifts:
-        return None
-    drift = sum(drifts) / len(drifts)
-    if min(before, after) <= drift:
-        return UNRESOLVED
-    return min(max(trace - drift, 0.0) / math.sqrt((before - drift) * (after - drift)), UNRESOLVED)
+def log_trace(raw: float, drift: float) -> float | None:
+    """A block's log tr Σ, its estimate less the drift (Eq. A4; 0 on the engine path); None (unresolved) if <= 0."""
+    return math.log(raw - drift) if raw > drift else None
+
+
+def probe_sample(probe: float | None, before: float | None, after: float | None) -> float:
+    """log(r + 1) of one probe: its log tr Σ less the mean of the exact blocks' on either side of it (a scale all
+    three share cancels to first order); log UNRESOLVED where any of them is unresolved."""
+    return math.log(UNRESOLVED) if None in (probe, before, after) else probe - (before + after) / 2
+
+
+class ProbeLevels:
+    """The last three exact blocks' log tr Σ (None: unresolved) and a probe block waiting for the exact block after
+    it: each probe's log(r + 1) sample, `ratio_<family>`, and the exact blocks' `jitter`, into a Running."""
+
+    def __init__(self, state=None):
+        self.levels, self.probe = list((state or {}).get("levels", [])), (state or {}).get("probe")
+
+    def state_dict(self) -> dict:
+        return {"levels": self.levels, "probe": self.probe}
+
+    def add(self, stats: "Running", kind: str, level: float | None):
+        if kind == "exact":
+            if self.probe:
+                stats.add(f"ratio_{self.probe[1]}", probe_sample(self.probe[0], self.levels[-1], level))
+            self.probe, self.levels = None, [*self.levels[-2:], level]
+            if (jitter := level_jitter(self.levels)) is not None:
+                stats.add("jitter", jitter)
+        elif self.levels:  # waits for the next exact block
+            self.probe = [level, kind]
+
+
+def level_jitter(levels: list) -> float | None:
+    """σ² of one block's log tr Σ, from three consecutive exact blocks: (l1 - 2 l2 + l3)² / 6 (a linear trend
+    cancels). A probe sample has 1.5 σ²: its bound is never read narrower than that, whatever two probes happen to
+    show."""
+    return None if len(levels) < 3 or None in levels else (levels[0] - 2 * levels[1] + levels[2]) ** 2 / 6
 
 
 def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_auto, branch_half_cost=0.75, room=0.0):
@@ -178,10 +202,10 @@ class Running:
         w, w2, _, _ = self.sums.get(name, [0.0, 1.0, 0.0, 0.0])
         return w * w / w2
 
-    def mean(self, name, z=0.0):  # z: a normal quantile; the bound is Student's t at the samples' degrees of freedom
-        w, w2, sx, sxx = self.sums[name]
+    def mean(self, name, z=0.0, spread=0.0):  # z: a normal quantile; the bound is Student's t at the samples'
+        w, w2, sx, sxx = self.sums[name]  # degrees of freedom; `spread`: a known floor on one sample's variance
         mean, dof = sx / w, max(self.count(name) - 1, 1)
-        return mean + student(z, dof) * math.sqrt(max(sxx / w - mean * mean, 0.0) / dof)
+        return mean + student(z, dof) * math.sqrt(max(sxx / w - mean * mean, 0.0, spread) / dof)
 
     def ratio(self, num, den, cross, z=0.0):
         """mean(num) / mean(den) of quantities added together (`cross`: their product), z standard errors above
