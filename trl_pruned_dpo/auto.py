@@ -35,16 +35,17 @@ class AutoKeepProbs(TrainerCallback):
         self._hooks, self._hooked, self._size, self._buffer, self._clip = [], set(), 0, None, None
         self.load_state_dict(None)
 
-    def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume
-        self._fold()
-        self._paired = PairedSteps()  # a B / 2B pair or link it splits: no sample, resumed or not (no buffer saved)
+    def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume (the B / 2B buffer
+        self._fold()  # is not saved: the pair a checkpoint splits yields no sample, resumed or not; PairedSteps.split)
+        self._paired = self._paired.split()
         return {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history, "futile": self.futile,
-                "loss_curve": self.curve.state_dict(), "probes": self.probes.state_dict()}
+                "loss_curve": self.curve.state_dict(), "probes": self.probes.state_dict(),
+                "drift": self._paired.carried}
 
     def load_state_dict(self, state):
-        state, self._pending, self._paired = state or {}, None, PairedSteps()
-        self._small, self._dot, self._gap, self._pairs, self._work = 0, 0, 0, 0, 0
-        self._stored, self._held = None, None  # the last measured step; the (even) step whose gradient the buffer holds
+        state, self._pending = state or {}, None
+        self._paired = PairedSteps(state.get("drift"))
+        self._small, self._dot, self._gap, self._pairs, self._work, self._stored, self._held = 0, 0, 0, 0, 0, None, None
         if "probes" not in state:  # an earlier estimator's statistics: measured anew
             state = {key: value for key, value in state.items() if key != "sums"}
         self.stats, self.history = Running(state.get("sums")), list(state.get("history", []))
@@ -53,10 +54,9 @@ class AutoKeepProbs(TrainerCallback):
         self.curve, self.probes = LossCurve(state.get("loss_curve")), ProbeLevels(state.get("probes"))
 
     def kind(self, step: int) -> str:
-        """"exact", a family's probe or "choice": a function of the step and the (rank-identical, saved) state. The
-        warm-up, E F1 E F1 E F2 E F2 E (B / 2B: one more E first, as its first pair has no link, A4), resolves the
-        first family after 5 (6) blocks and the second after 9 (10); then every PROBE_EVERY blocks from block 16 on, a
-        probe between two exact blocks (its units)."""
+        """"exact", a family's probe or "choice", from the step and the (rank-identical, saved) state: the warm-up E F1
+        E F1 E F2 E F2 E (B / 2B: E first, its first pair has no link, A4) resolves the families after 5 and 9 blocks
+        (6, 10); then every PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units)."""
         block, fams = step // (2 if self.single else 1), self.families
         warm_up = ["exact"] * (1 + self.single) + [k for f in fams for k in (f, "exact", f, "exact")] if fams else []
         if block < len(warm_up):

@@ -63,10 +63,12 @@ def pair_drift(link: float, first: float, second: float) -> float:
 class PairedSteps:
     """The B / 2B path (one process, no accumulation): a pair of consecutive steps t, t+1 of one kind is a batch of b
     and one of 2b; linked to the previous pair by |g_t - g_(t-2)|², it also gives the mean gradient's drift that
-    b |g_t - g_(t+1)|² / 2 includes besides tr Σ (Eq. A4)."""
+    b |g_t - g_(t+1)|² / 2 includes besides tr Σ (Eq. A4). `carried`: the drift read before a checkpoint, for the
+    first pair after it (its link's gradient is not saved)."""
 
-    def __init__(self):
+    def __init__(self, carried: float | None = None):
         self.first, self.last = None, None  # [|g_t|², t, kind, link] of a pair's first step; [t, |g_t|², within]
+        self.carried, self.latest = carried, None
 
     def add(self, step: int, kind: str, small2: float, dot: float, gap: float, pairs: float):
         """A step's |g|², its dot with the pair's first step (`dot`) or, on a first step, with the previous pair's
@@ -79,9 +81,13 @@ class PairedSteps:
             return None, None
         (first, _, _, link), self.first = self.first, None
         within = first + small2 - 2 * dot  # |g_t - g_(t+1)|²
-        drift = None if link is None else pairs * pair_drift(link, self.last[2], within) / 2
-        self.last = [step - 1, first, within]
+        drift = self.carried if link is None else pairs * pair_drift(link, self.last[2], within) / 2
+        self.last, self.carried, self.latest = [step - 1, first, within], None, drift
         return ((first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs), drift
+
+    def split(self) -> "PairedSteps":
+        """A fresh one at a checkpoint: the pair it splits yields no sample; the next reads the drift before it."""
+        return PairedSteps(self.latest if self.latest is not None else self.carried)
 
 
 def log_trace(raw: float, drift: float) -> float | None:
