@@ -394,6 +394,22 @@ def test_one_process_pairs_subtract_the_mean_gradients_drift(monkeypatch, drift)
         assert r < 0.2 and b_simple > 3 * truth, (r, b_simple, truth)
 
 
+def test_the_pair_after_a_checkpoint_reads_the_drift_before_it():
+    """The B / 2B buffer is not saved, so the pair after a checkpoint has no link (Eq. A4): it reads the drift the
+    pairs before the checkpoint measured (saved with the state) instead of giving no sample; the first pair of a run
+    gives none."""
+    paired = noise.PairedSteps()
+    out = []
+    for step, (small2, dot, gap) in enumerate([(4.0, 0.0, 0.0), (4.0, 1.0, 0.0), (4.0, 0.0, -0.5), (4.0, 1.0, 0.0)]):
+        out.append(paired.add(step, "exact", small2, dot, gap, 8))
+    (_, first), (_, second) = out[1], out[3]  # within 6 each, link 9: |d|² = (9 - 6) / 3 = 1, b |d|² / 2 = 4
+    assert first is None and second == pytest.approx(4.0)
+    resumed = paired.split()
+    assert resumed.carried == second and paired.split().carried == second  # idempotent: state_dict may run twice
+    resumed.add(4, "exact", 4.0, 0.0, 0.0, 8)
+    assert resumed.add(5, "exact", 4.0, 1.0, 0.0, 8)[1] == second
+
+
 def test_two_probes_that_agree_by_chance_are_read_as_noisy_as_the_exact_blocks():
     """Heavy-tailed per-pair gradients make one block's tr Σ vary by factors of 2-4 from block to block; two probes
     that happen to agree (here both read r + 1 ≈ 0.8) must not give a narrow bound. The exact blocks' jitter (second

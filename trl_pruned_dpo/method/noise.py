@@ -1,9 +1,10 @@
-"""The noise-scale arithmetic of `auto` (docs/method.md, "auto", Eqs. A1-A4): pure functions of numbers.
+"""The noise-scale arithmetic of `auto` (docs/method.md, "auto", Eqs. A1-A4): functions of numbers, and the few
+numbers they keep between steps (running sums, the loss curve, the B / 2B pairs, the exact blocks around a probe).
 
 McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training"): B_simple = tr Σ / |G|² from squared gradient
 norms at two batch sizes (App. A.1), steps to a loss ∝ 1 + B_noise / B (Eq. 2.7); pruning's extra variance counted as
 added noise, r(p) per pair over tr Σ; the loss curve bounds what extra steps cost by the end of the run (A3). auto.py
-measures; this module estimates and chooses.
+measures (tensors); this module estimates and chooses (floats).
 """
 
 import math
