@@ -353,7 +353,7 @@ def test_probe_units_cancel_the_drift():
         scale, extra = 0.7 ** min(step, 40), 0.8 if probs.kind(step) == "branch" else 0.0
         noisy = lambda x: x * (1 + 0.05 * float(torch.randn((), generator=gen)))  # noqa: E731
         small2, big2 = (scale * (norm2 + trace * (1 + extra) / size) for size in (b, micro * b))
-        totals = torch.tensor([micro * noisy(small2), micro * b, 1.0, 0.0, 0.5, 0.0], dtype=torch.float64)
+        totals = torch.tensor([micro * noisy(small2), micro * b, 1.0, 0.0, 0.5], dtype=torch.float64)
         probs._pending = (step, totals, micro, torch.tensor(noisy(big2)).sqrt())
         probs._fold()
     (_, r), point = probs._bounds(auto.UPPER_Z, ["branch"]), probs._bounds(0.0, ["branch"])[1]["branch"]
@@ -379,9 +379,9 @@ def test_one_process_pairs_subtract_the_mean_gradients_drift(monkeypatch, drift)
     for step in range(120):
         variance = trace * (1 + extra if probs.kind(step) == "branch" else 1) / b / dim
         grads[step] = start + step * step_drift + torch.randn(dim, generator=gen, dtype=torch.float64) * variance ** 0.5
-        near = grads.get(step - 1 if step % 2 else step - 2)
-        totals = torch.tensor([float(grads[step] @ grads[step]), b, 1.0, float(grads[step] @ near) if step % 2 else 0.0,
-                               0.5, 0.0 if step % 2 or near is None else float(grads[step] @ near)], dtype=torch.float64)
+        near = grads.get(step - 1 if step % 2 else step - 2)  # odd: the pair's first step; even: the previous pair's
+        dot = 0.0 if near is None else float(grads[step] @ near)
+        totals = torch.tensor([float(grads[step] @ grads[step]), b, 1.0, dot, 0.5], dtype=torch.float64)
         probs._pending = (step, totals, 1, None)
         probs._fold()
     r = probs._bounds(0.0, ["branch"])[1]["branch"]
@@ -400,14 +400,14 @@ def test_the_pair_after_a_checkpoint_reads_the_drift_before_it():
     gives none."""
     paired = noise.PairedSteps()
     out = []
-    for step, (small2, dot, gap) in enumerate([(4.0, 0.0, 0.0), (4.0, 1.0, 0.0), (4.0, 0.0, -0.5), (4.0, 1.0, 0.0)]):
-        out.append(paired.add(step, "exact", small2, dot, gap, 8))
+    for step, (small2, dot) in enumerate([(4.0, 0.0), (4.0, 1.0), (4.0, -0.5), (4.0, 1.0)]):  # even: the link's dot
+        out.append(paired.add(step, "exact", small2, dot, 8))
     (_, first), (_, second) = out[1], out[3]  # within 6 each, link 9: |d|² = (9 - 6) / 3 = 1, b |d|² / 2 = 4
     assert first is None and second == pytest.approx(4.0)
     resumed = paired.split()
     assert resumed.carried == second and paired.split().carried == second  # idempotent: state_dict may run twice
-    resumed.add(4, "exact", 4.0, 0.0, 0.0, 8)
-    assert resumed.add(5, "exact", 4.0, 1.0, 0.0, 8)[1] == second
+    resumed.add(4, "exact", 4.0, 0.0, 8)
+    assert resumed.add(5, "exact", 4.0, 1.0, 8)[1] == second
 
 
 def test_two_probes_that_agree_by_chance_are_read_as_noisy_as_the_exact_blocks():

@@ -45,7 +45,8 @@ class AutoKeepProbs(TrainerCallback):
     def load_state_dict(self, state):
         state, self._pending = state or {}, None
         self._paired = PairedSteps(state.get("drift"))
-        self._small, self._dot, self._gap, self._pairs, self._work, self._stored, self._held = 0, 0, 0, 0, 0, None, None
+        self._small, self._dot, self._pairs, self._work, self._buffered, self._held = 0, 0, 0, 0, False, None
+        # _buffered: this step goes through the B / 2B buffer (set in `options`); _held: the even step it holds
         if "probes" not in state:  # an earlier estimator's statistics: measured anew
             state = {key: value for key, value in state.items() if key != "sums"}
         self.stats, self.history = Running(state.get("sums")), list(state.get("history", []))
@@ -72,8 +73,9 @@ class AutoKeepProbs(TrainerCallback):
         at micro-step 0 it first decides from what earlier steps measured."""
         if micro_step == 0:
             self._decide(step)
-        branch, position = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}.get(self.kind(step),
-                                                                                           self.choice[:2])
+        kind = self.kind(step)
+        self._buffered = self.single and kind != "choice"  # this step's gradient goes through the B / 2B buffer
+        branch, position = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}.get(kind, self.choice[:2])
         self._pairs, options = self._pairs + inputs["input_ids"].size(0) // 2, dict(base_options)
         if self.args.branch_keep_prob == "auto":
             overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"], inputs.get("attention_mask"))
@@ -109,16 +111,14 @@ class AutoKeepProbs(TrainerCallback):
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
         grad, step = grad.detach(), self.trainer.state.global_step  # (no copy of the gradient, whatever its layout)
         self._small = self._small + torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        if self.single and self.kind(step) != "choice":  # the first step of a pair keeps its gradient for the second
+        if self._buffered:  # the first step of a pair keeps its gradient for the second (set once a step, in options)
             if self._buffer is None:
                 self._buffer = torch.empty(self._size, dtype=grad.dtype, device=grad.device)
             part = self._buffer[offset:offset + grad.numel()].view(grad.shape)
-            if step % 2 == 0:  # after its dot with the previous pair's first step: their link (Eq. A4)
-                if self._held == step - 2:
-                    self._gap = self._gap + torch.tensordot(grad.float(), part.float(), grad.dim())
+            if self._held in (step - 1, step - 2):  # odd: with its pair's first step; even: with the previous pair's
+                self._dot = self._dot + torch.tensordot(grad.float(), part.float(), grad.dim())  # (the link, Eq. A4)
+            if step % 2 == 0:
                 part.copy_(grad)
-            elif self._stored == step - 1:
-                self._dot = self._dot + torch.tensordot(grad.float(), part.float(), grad.dim())
 
     def on_substep_end(self, args, state, control, **kwargs):
         stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units: forward 1, backward 2
@@ -126,19 +126,18 @@ class AutoKeepProbs(TrainerCallback):
                                                                                    ("reference", 1)))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """One all-reduce of six scalars on every rank, every step (no sync here); read at the next decision."""
+        """One all-reduce of five scalars on every rank, every step (no sync here); read at the next decision."""
         self.on_substep_end(args, state, control)
         trainer, device = self.trainer, self.trainer.accelerator.device
         accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
         local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
-                             for x in (self._small, self._pairs, self._work, self._dot, trainer._step_loss, self._gap)])
+                             for x in (self._small, self._pairs, self._work, self._dot, trainer._step_loss)])
         local[0] *= accumulation ** 2
         clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
         self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
                          accumulation * trainer.accelerator.num_processes, clip)
-        self._stored = state.global_step if self.single and self.kind(state.global_step) != "choice" else None
-        self._held = self._stored if self._stored is not None and self._stored % 2 == 0 else self._held
-        self._small, self._dot, self._gap, self._clip, self._pairs, self._work = 0, 0, 0, None, 0, 0
+        self._held = state.global_step if self._buffered and state.global_step % 2 == 0 else self._held
+        self._small, self._dot, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
 
     def on_train_end(self, args, state, control, **kwargs):
         [handle.remove() for handle in self._hooks]
@@ -149,7 +148,7 @@ class AutoKeepProbs(TrainerCallback):
         if self._pending is None:
             return
         (step, totals, micro, clip), self._pending = self._pending, None
-        (small2, pairs, work, dot, loss, gap), kind, sizes, drift = totals.tolist(), self.kind(step), None, 0.0
+        (small2, pairs, work, dot, loss), kind, sizes, drift = totals.tolist(), self.kind(step), None, 0.0
         self.curve.add(step, loss / (micro or 1))  # every kind of step: the loss's value is exact or unbiased
         if kind == "choice":
             return
@@ -157,7 +156,7 @@ class AutoKeepProbs(TrainerCallback):
         if not self.single and clip is not None:
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
         elif self.single:  # B and 2B pairs, and the drift between their two steps (None: not measured)
-            sizes, drift = self._paired.add(step, kind, small2, dot, gap, pairs)
+            sizes, drift = self._paired.add(step, kind, small2, dot, pairs)
         if sizes is None or drift is None:  # B / 2B: a pair's first step, or a pair without its link
             return
         raw, raw_norm2 = trace_and_norm2(*sizes)  # B / 2B: b |g1 - g2|² / 2 = tr Σ + drift (A4)

@@ -71,11 +71,11 @@ class PairedSteps:
         self.first, self.last = None, None  # [|g_t|², t, kind, link] of a pair's first step; [t, |g_t|², within]
         self.carried, self.latest = carried, None
 
-    def add(self, step: int, kind: str, small2: float, dot: float, gap: float, pairs: float):
-        """A step's |g|², its dot with the pair's first step (`dot`) or, on a first step, with the previous pair's
-        (`gap`) -> (the four arguments of trace_and_norm2, the drift in tr Σ's units or None) once a pair is whole."""
+    def add(self, step: int, kind: str, small2: float, dot: float, pairs: float):
+        """A step's |g|² and its dot with the pair's first step (on a first step: with the previous pair's) -> (the
+        four arguments of trace_and_norm2, the drift in tr Σ's units or None) once a pair is whole."""
         if step % 2 == 0:
-            link = self.last[1] + small2 - 2 * gap if self.last and self.last[0] == step - 2 else None
+            link = self.last[1] + small2 - 2 * dot if self.last and self.last[0] == step - 2 else None
             self.first = [small2, step, kind, link]
             return None, None
         if self.first is None or self.first[1:3] != [step - 1, kind]:
