@@ -9,10 +9,17 @@ warm-up steps (which allocate the optimizer state), then measures the training s
   measured steps (reset through /proc/self/clear_refs); working memory = peak - baseline. The helper runs with a fixed
   glibc mmap threshold, so freed tensors go back to the OS and RSS tracks the live tensors instead of malloc's cache.
 - CUDA: `torch.cuda.memory_allocated()` after warm-up is the baseline, `torch.cuda.max_memory_allocated()` the peak.
+
+A spec's `cap_mb` stops the child as soon as its RSS exceeds the RSS it started with by that much (a thread polling
+/proc every 10 ms): a point over a memory budget is reported as such instead of taking the shared machine's memory.
+
+`python -m benchmarks.memory` (see `sweep`) is the memory-against-length benchmark: peak memory of one training step
+for stock and the exact preset as the sequence length doubles, and the longest length each fits in a budget.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
@@ -20,6 +27,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
@@ -37,8 +46,23 @@ def _trim():
         pass
 
 
-def measure(spec: dict) -> dict:
-    """Build the trainer described by `spec` and return its baseline and peak memory (MiB)."""
+def _watch(cap_mb: float, rss_start: float, abort):
+    """Call `abort(result)` from a daemon thread once RSS exceeds `rss_start + cap_mb` (MiB)."""
+
+    def run():
+        while True:
+            rss = _status_kb("VmRSS") / 1024
+            if rss - rss_start > cap_mb:
+                abort({"ok": False, "over_cap": True, "rss_start_mb": rss_start, "stopped_at_mb": rss,
+                       "error": f"stopped: {rss - rss_start:.0f} MiB over the start exceeds the cap {cap_mb:.0f}"})
+            time.sleep(0.01)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def measure(spec: dict, abort=None) -> dict:
+    """Build the trainer described by `spec` and return its baseline and peak memory (MiB). With `spec["cap_mb"]`,
+    `abort` is called (and must not return) when the process grows past it."""
     import torch
 
     from benchmarks.workload import StepRunner, Workload, build_model, build_trainer, quiet
@@ -49,6 +73,9 @@ def measure(spec: dict) -> dict:
     device = spec.get("device", "cpu")
     dtype = torch.bfloat16 if spec.get("bf16") else torch.float32
     rss_start = _status_kb("VmRSS") / 1024 if device == "cpu" else 0.0
+    started = time.process_time()
+    if spec.get("cap_mb") and device == "cpu" and abort is not None:
+        _watch(spec["cap_mb"], rss_start, abort)
     trainer = build_trainer(
         spec["side"], w, build_model(w, dtype),
         precompute=spec["precompute"], checkpointing=spec["checkpointing"], pruning=spec.get("pruning"),
@@ -77,12 +104,14 @@ def measure(spec: dict) -> dict:
             peaks.append(torch.cuda.max_memory_allocated() / 2**20)
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 2**20
     return {
+        "rss_start_mb": rss_start,
         "baseline_mb": baseline,
         "build_mb": baseline - rss_start if device == "cpu" else baseline,
         "peak_mb": max(peaks),
         "working_mb": max(peaks) - baseline,
         "working_mb_steps": [p - baseline for p in peaks],
         "params_mb": params,
+        "cpu_s": time.process_time() - started,
     }
 
 
@@ -111,13 +140,17 @@ def _serve():
         pid = os.fork()
         if pid == 0:  # child: measure, report, exit without running the parent's cleanup
             os.close(read_fd)
+
+            def report(result):
+                os.write(write_fd, json.dumps(result).encode())
+                os.close(write_fd)
+                os._exit(0)
+
             try:
-                result = {"ok": True, **measure(spec)}
+                result = {"ok": True, **measure(spec, abort=report)}
             except Exception as e:  # reported to the caller, which decides
                 result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            os.write(write_fd, json.dumps(result).encode())
-            os.close(write_fd)
-            os._exit(0)
+            report(result)
         os.close(write_fd)
         chunks = []
         while chunk := os.read(read_fd, 65536):
@@ -136,7 +169,7 @@ class MemoryServer:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.memory"],
+            [sys.executable, "-m", "benchmarks.memory", "--serve"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, cwd=root,
         )
 
@@ -160,5 +193,213 @@ class MemoryServer:
         self.close()
 
 
+# ------------------------------------------------------------------------------------------ memory against length
+SIDES = {"stock": None, "exact": dict(padding_free=True, share_prompt=True, prune_common_prefix=True)}
+PROMPT_SHARE = 0.3  # UltraFeedback's median prompt / (prompt + response): 108 / (108 + 258) (workload.LENGTH_MODELS)
+
+
+def length_workload(length: int, model: str, pairs: int, vocab: int = 8192):
+    """`pairs` pairs whose every sequence is exactly `length` tokens: a prompt of PROMPT_SHARE of it, shared by the
+    pair, and two independent responses (no padding for stock to lose; the exact preset saves the prompt's second
+    copy and whatever the head need not score)."""
+    from benchmarks.workload import MODEL_SHAPE, Workload
+
+    prompt = max(round(length * PROMPT_SHARE), 2)
+    return Workload(vocab_size=vocab, batch_size=pairs, num_batches=1, lengths=f"uniform:{prompt}+{length - prompt}",
+                    name=f"L{length}", reference_noise=0.01, model_shape=dict(MODEL_SHAPE), model=model)
+
+
+def predict(points: dict[int, float], length: int) -> float | None:
+    """Peak at `length` from the measured (length -> MiB) points: the least-squares quadratic through three or more,
+    the line through the last two, None from fewer."""
+    import numpy as np
+
+    xs = sorted(points)
+    if len(xs) < 2:
+        return None
+    if len(xs) == 2:
+        (x0, y0), (x1, y1) = ((x, points[x]) for x in xs)
+        return y1 + (y1 - y0) / (x1 - x0) * (length - x1)
+    return float(np.polyval(np.polyfit(xs, [points[x] for x in xs], 2), length))
+
+
+def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: int, bisect: int, log) -> list[dict]:
+    """Per side: each length in turn (a point predicted over the budget is skipped, and every longer one), then
+    `bisect` halvings between the longest length that fit and the shortest that did not (multiples of 64).
+
+    Memory is the trainer's peak RSS over one training step after one warm-up step (which allocates the optimizer
+    state), minus the process's RSS before the trainer was built: weights, reference, optimizer state and the step.
+    """
+    rows = []
+    for side, pruning in SIDES.items():
+        fits, over, points = [], [], {}
+
+        def run(length, phase):
+            pred = predict(points, length)
+            row = dict(side=side, length=length, phase=phase, predicted_mb=pred, budget_mb=budget_mb, pairs=pairs)
+            if pred is not None and pred > budget_mb:
+                row.update(status="over budget (predicted)")
+                over.append(length)
+            else:
+                w = length_workload(length, model, pairs)
+                from dataclasses import asdict
+
+                spec = dict(workload=asdict(w), side="stock" if pruning is None else "pruned", pruning=pruning,
+                            precompute=False, checkpointing=True, device="cpu", warmup=1, steps=1, threads=1,
+                            cap_mb=budget_mb)
+                started = time.time()
+                result = server.measure(spec)
+                row.update(wall_s=time.time() - started)
+                if result.get("ok"):
+                    peak = result["peak_mb"] - result["rss_start_mb"]
+                    row.update(status="fits" if peak <= budget_mb else "over budget", peak_mb=peak,
+                               working_mb=result["working_mb"], build_mb=result["build_mb"], cpu_s=result["cpu_s"])
+                    points[length] = peak
+                    (fits if peak <= budget_mb else over).append(length)
+                elif result.get("over_cap"):
+                    row.update(status="over budget (stopped)", stopped_at_mb=result["stopped_at_mb"]
+                               - result["rss_start_mb"])
+                    over.append(length)
+                else:
+                    row.update(status="failed", error=result.get("error"))
+            rows.append(row)
+            log(f"  {side:5s} L={length:5d} {row['status']:24s} peak {row.get('peak_mb', float('nan')):7.0f} MiB "
+                f"(working {row.get('working_mb', float('nan')):6.0f}; predicted "
+                f"{'-' if pred is None else f'{pred:.0f}'}) {row.get('wall_s', 0):5.0f} s")
+            return row
+
+        for length in sorted(lengths):
+            if over:
+                rows.append(dict(side=side, length=length, phase="grid", status="over budget (longer than a point "
+                                 "over it)", budget_mb=budget_mb, pairs=pairs))
+                log(f"  {side:5s} L={length:5d} over budget (a shorter length was)")
+                continue
+            run(length, "grid")
+        for _ in range(bisect):
+            lo, hi = max(fits, default=0), min(over, default=None)
+            if hi is None or not lo:
+                break
+            mid = (lo + hi) // 2 // 64 * 64
+            if mid <= lo:
+                break
+            run(mid, "bisect")
+        lo, hi = max(fits, default=None), min(over, default=None)
+        rows.append(dict(side=side, phase="longest", longest_fit=lo, shortest_over=hi, budget_mb=budget_mb))
+        log(f"  {side}: longest length that fits {budget_mb / 1024:g} GiB: {lo} (shortest over: {hi})")
+    return rows
+
+
+def length_table(rows: list[dict]) -> str:
+    """Markdown: one line per length, stock and the exact preset side by side, then the longest fit per side."""
+    grid = sorted({r["length"] for r in rows if r.get("phase") in ("grid", "bisect")})
+    by = {(r["side"], r["length"]): r for r in rows if r.get("phase") in ("grid", "bisect")}
+
+    def cell(r):
+        if r is None:
+            return "–"
+        if "peak_mb" in r:
+            return f"{r['peak_mb']:.0f} MiB (step {r['working_mb']:.0f})" + ("" if r["status"] == "fits" else " over")
+        if "stopped_at_mb" in r:
+            return f"over (stopped at {r['stopped_at_mb']:.0f} MiB)"
+        if r.get("predicted_mb") is not None:
+            return f"over (predicted {r['predicted_mb']:.0f} MiB)"
+        return r["status"]
+
+    lines = ["| tokens per sequence | stock: peak (of which the step) | exact preset | exact / stock |", "|---|---|---|---|"]
+    for length in grid:
+        s, e = by.get(("stock", length)), by.get(("exact", length))
+        ratio = (f"{e['peak_mb'] / s['peak_mb']:.2f} (step {e['working_mb'] / s['working_mb']:.2f})"
+                 if s and e and "peak_mb" in s and "peak_mb" in e else "–")
+        lines.append(f"| {length} | {cell(s)} | {cell(e)} | {ratio} |")
+    longest = {r["side"]: r for r in rows if r.get("phase") == "longest"}
+    if longest:
+        budget = next(iter(longest.values()))["budget_mb"] / 1024
+        parts = []
+        for side, r in longest.items():
+            hi = f" (shortest measured over: {r['shortest_over']})" if r["shortest_over"] else " (all fit)"
+            parts.append(f"{side} {r['longest_fit']}{hi}")
+        lines += ["", f"Longest length measured to fit {budget:g} GiB: " + "; ".join(parts) + "."]
+    return "\n".join(lines)
+
+
+def plot_lengths(rows: list[dict], meta: dict, path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = {"stock": "tab:gray", "exact": "tab:blue"}
+    budget = None
+    for side in SIDES:
+        pts = sorted((r["length"], r["peak_mb"] / 1024) for r in rows if r["side"] == side and "peak_mb" in r)
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=colors[side], label=f"{side}: measured")
+        stops = [(r["length"], r["stopped_at_mb"] / 1024) for r in rows if r["side"] == side and "stopped_at_mb" in r]
+        if stops:
+            ax.plot(*zip(*stops), "^", color=colors[side], mfc="none", label=f"{side}: stopped over the budget")
+        pred = [(r["length"], r["predicted_mb"] / 1024) for r in rows if r["side"] == side
+                and r.get("status") == "over budget (predicted)"]
+        if pred:
+            ax.plot(*zip(*pred), "x", color=colors[side], label=f"{side}: predicted over (not run)")
+        budget = budget or next((r["budget_mb"] for r in rows if r.get("budget_mb")), None)
+    if budget:
+        ax.axhline(budget / 1024, color="tab:red", ls="--", lw=1, label=f"budget {budget / 1024:g} GiB")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({r["length"] for r in rows if r.get("phase") == "grid"})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel("tokens per sequence (prompt 30%, 2 responses per pair)")
+    ax.set_ylabel("peak memory of a training step (GiB)")
+    ax.set_title(f"Memory against length: {meta['model_label']}, {meta['pairs']} pairs, checkpointing on (CPU RSS)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Peak memory of one training step against sequence length: stock "
+                                     "TRL DPOTrainer and the exact preset, and the longest length each fits a budget.")
+    parser.add_argument("--model", default="", help="a local HF folder or builtin: name (default: the bench model)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--budget-gib", type=float, help="default: 4 on the bench model, 8 with --model")
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--bisect", type=int, default=3, help="halvings toward the longest length that fits")
+    parser.add_argument("--out", help="output folder (default benchmarks/results/memory_length_<model>_cpu)")
+    args = parser.parse_args(argv)
+    from benchmarks.step_time import machine_info
+
+    budget_mb = (args.budget_gib or (8.0 if args.model else 4.0)) * 1024
+    label = os.path.basename(args.model.rstrip("/")).replace("builtin:", "") if args.model else "bench"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"memory_length_{label}_cpu")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    started = time.time()
+    meta = dict(model=args.model or "bench model (workload.MODEL_SHAPE, vocab 8192)", model_label=label,
+                pairs=args.pairs, lengths=args.lengths, budget_mb=budget_mb, prompt_share=PROMPT_SHARE,
+                checkpointing=True, reference="live", threads=1, started=time.strftime("%Y-%m-%d %H:%M"),
+                machine=machine_info("cpu", 1))
+    with MemoryServer() as server:
+        rows = sweep(server, model=args.model, lengths=args.lengths, budget_mb=budget_mb, pairs=args.pairs,
+                     bisect=args.bisect, log=log)
+    meta["elapsed_s"] = time.time() - started
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "memory_length.json"), "w") as f:
+        json.dump(dict(meta=meta, results=rows), f, indent=1)
+    print(length_table(rows))
+    try:
+        plot_lengths(rows, meta, os.path.join(out, "memory_length.png"))
+    except ImportError as e:  # matplotlib is a dev extra
+        log(f"(no plot: {e})")
+    print(f"\nwrote {out}/memory_length.{{json,png}} in {meta['elapsed_s']:.0f}s")
+    return rows
+
+
 if __name__ == "__main__":
-    _serve()
+    if sys.argv[1:] == ["--serve"]:
+        _serve()
+    else:
+        main()

@@ -44,7 +44,9 @@ from dataclasses import asdict
 import torch
 
 from benchmarks.flops import Shape, Work, mean_flops, mean_work, pruned_work, stock_work
-from benchmarks.workload import Workload, StepRunner, build_model, build_trainer, layout_tokens, quiet
+from benchmarks.workload import (
+    StepRunner, Workload, build_model, build_trainer, layout_tokens, perturbed_copy, quiet, weight_sharing_copy,
+)
 
 # Pruning settings (PrunedDPOConfig fields). "none" separates what the compacted head alone buys (stock TRL on CPU scores
 # every position, prompt and padding included; the plugin's forward only the kept response positions): nothing pruned
@@ -77,10 +79,14 @@ SETTINGS.update({
     "padding_free+share": dict(padding_free=True, share_prompt=True),
     "exact": EXACT_PRESET,
     "exact+prefix0.5": dict(EXACT_PRESET, prefix_prune_prob=0.5),
+    "exact+branch0.5": dict(EXACT_PRESET, branch_keep_prob=0.5),
+    "exact+position0.5": dict(EXACT_PRESET, position_keep_prob=0.5),
 })
 SETTINGS = {name: {**SAVINGS_OFF, **fields} for name, fields in SETTINGS.items()}
 MAIN_SETTINGS = ["none", "branch", "position", "prefix", "combined", "max"]
 WORKLOAD_SETTINGS = ["padding_free", "padding_free+share", "exact", "exact+prefix0.5"]
+# `--model`: the exact preset and each fixed pruning on top of it (issue 29, item 5)
+MODEL_SETTINGS = ["padding_free", "exact", "exact+branch0.5", "exact+position0.5", "exact+prefix0.5"]
 ESTIMATORS = ("prefix_prune_prob", "position_keep_prob", "branch_keep_prob")  # settings with these are not exact
 SHARE_SETTINGS = ["none"] + [name for name in SETTINGS if name.startswith("share")]
 
@@ -107,11 +113,19 @@ WORKLOAD_MODES = {  # length scale (not for `short`), rounds, memory settings; q
                   vocab=512),
     "quick": dict(scale=0.25, batch=8, batches=4, warmup=1, rounds=3, memory_steps=1, memory_settings=["exact"]),
     "full": dict(scale=0.5, batch=8, batches=8, warmup=1, rounds=7, memory_steps=2),
+    # `--model` (a pretrained model: a 135M one takes ~20-60 s per stock step at full length on one thread): full
+    # lengths, 4 batches cycled, one measured step per fresh memory process
+    "model": dict(scale=1.0, batch=8, batches=4, warmup=1, rounds=3, memory_steps=1),
 }
 
 
-def workload_plan(mode: str, names: list[str], scale: float | None = None, near_copy: float = 0.0) -> dict:
-    """The `--workload` grid: one group per workload, its stock trainer and every setting side by side."""
+def workload_plan(mode: str, names: list[str], scale: float | None = None, near_copy: float = 0.0,
+                  model: str = "") -> dict:
+    """The `--workload` grid: one group per workload, its stock trainer and every setting side by side. `model`: a
+    pretrained model's folder (or `builtin:` name) and real text (workload.text_rows); `--quick` / `--full` then use
+    the "model" preset (`--smoke` keeps its tiny lengths)."""
+    if model and mode != "smoke":
+        mode = "model"
     m = WORKLOAD_MODES.get(mode)
     if m is None:
         raise SystemExit(f"--workload runs in --smoke, --quick or --full mode, not --{mode}")
@@ -120,7 +134,7 @@ def workload_plan(mode: str, names: list[str], scale: float | None = None, near_
         w = Workload(
             vocab_size=m.get("vocab", 8192), batch_size=m["batch"], num_batches=m["batches"], name=name,
             lengths=name, length_scale=1.0 if name == "short" else (scale or m["scale"]), shared_response=near_copy,
-            reference_noise=0.01, model_shape=dict(SMOKE_SHAPE if mode == "smoke" else MAIN.model_shape),
+            reference_noise=0.01, model_shape=dict(SMOKE_SHAPE if mode == "smoke" else MAIN.model_shape), model=model,
         )
         groups.append(dict(workload=w, precompute=False, checkpointing=True, kind="workload"))
     out = dict(groups=groups, warmup=m["warmup"], rounds=m["rounds"], memory="all", memory_steps=m["memory_steps"])
@@ -186,12 +200,20 @@ def time_group(group: dict, settings: list[str], warmup: int, rounds: int, devic
     base = build_model(w, torch.bfloat16 if bf16 else torch.float32)
     sides = [("stock", None)] + [("pruned", s) for s in settings]
     runners = {}
+    # A pretrained model is too large for one private copy (+ reference, + Adam state) per trainer: the trainers share
+    # one set of weights, one reference and one optimizer at learning rate 0 (workload.weight_sharing_copy).
+    share = bool(w.model)
+    ref = perturbed_copy(base, w.reference_noise, w.seed) if share and not group["precompute"] else None
+    optimizer = None
     for side, setting in sides:
         trainer = build_trainer(
-            side, w, copy.deepcopy(base), precompute=group["precompute"], checkpointing=group["checkpointing"],
-            pruning=SETTINGS.get(setting), device=device, bf16=bf16,
+            side, w, weight_sharing_copy(base) if share else copy.deepcopy(base), precompute=group["precompute"],
+            checkpointing=group["checkpointing"], pruning=SETTINGS.get(setting), device=device, bf16=bf16,
+            ref_model=weight_sharing_copy(ref) if ref is not None else None, learning_rate=0.0 if share else 1e-6,
         )
-        runners[setting or "stock"] = (side, StepRunner(trainer))
+        runner = StepRunner(trainer, optimizer=optimizer)
+        optimizer = runner.optimizer if share else None
+        runners[setting or "stock"] = (side, runner)
     compact_head = device != "cpu" and torch.cuda.is_available()  # TRL compacts the head on Triton devices only
     names = list(runners)
     times = {n: [] for n in names}
@@ -282,7 +304,8 @@ def summarize(group: dict, timed: dict, memory: dict, clock: str = "wall") -> li
             workload=w.name or w.label(),
             reference="precomputed" if group["precompute"] else "live",
             checkpointing=ckpt,
-            vocab=w.vocab_size,
+            vocab=shape.vocab,
+            model=w.model,
             response_len=w.response_len,
             prompt_len=w.prompt_len,
             batch_pairs=w.batch_size,
@@ -362,19 +385,27 @@ def summarize_workload(group: dict, timed: dict, memory: dict, clock: str) -> li
     def per_second(name):
         return sum(r["data_tokens"] for r in measured(name)) / sum(times[name])
 
+    def executed_per_step(name):  # the policy forward's tokens (padding included where it ran padded)
+        return statistics.mean(r["executed"] for r in measured(name))
+
+    def peak(name):  # the trainer's whole peak (weights, reference, optimizer state, step), fresh process
+        m = memory.get(name) or {}
+        return m["peak_mb"] - m["rss_start_mb"] if m.get("ok") and "rss_start_mb" in m else None
+
     stock_mem = memory.get("stock") or {}
     base = dict(kind="workload", workload=w.name or w.label(), group=w.label(), lengths=w.lengths,
                 length_scale=w.length_scale, near_copy=w.shared_response, batch_pairs=w.batch_size,
                 reference="precomputed" if group["precompute"] else "live", checkpointing=group["checkpointing"],
-                vocab=w.vocab_size, clock=clock, prompt_len=None, response_len=None)
+                vocab=timed["shape"].vocab, model=w.model, clock=clock, prompt_len=None, response_len=None)
     stock = dict(base, setting="stock", steps=len(times["stock"]), stock_step_s=statistics.median(times["stock"]),
                  pruned_step_s=statistics.median(times["stock"]), speedup=1.0, speedup_paired_median=1.0,
                  layouts=["trl-padded"], padding_share=padding("stock"), executed_over_real=executed_over_real("stock"),
-                 tokens_per_s=per_second("stock"),
-                 stock_tokens_per_s=per_second("stock"), exact=True, notes="")
+                 tokens_per_s=per_second("stock"), tokens_executed_per_step=executed_per_step("stock"),
+                 token_limit=1.0, stock_tokens_per_s=per_second("stock"), exact=True, notes="")
     if stock_mem.get("ok"):
         stock.update(stock_working_mb=stock_mem["working_mb"], pruned_working_mb=stock_mem["working_mb"],
-                     memory_ratio=1.0)
+                     memory_ratio=1.0, stock_peak_mb=peak("stock"), pruned_peak_mb=peak("stock"),
+                     peak_ratio=1.0 if peak("stock") else None)
     rows = [stock]
     for row in summarize(group, timed, memory, clock):
         name = row["setting"]
@@ -394,7 +425,10 @@ def summarize_workload(group: dict, timed: dict, memory: dict, clock: str) -> li
         row.update(layouts=layouts, padding_share=pad, executed_over_real=executed_over_real(name),
                    stock_padding_share=stock["padding_share"],
                    tokens_per_s=per_second(name), stock_tokens_per_s=stock["tokens_per_s"], exact=exact,
-                   notes="; ".join(notes))
+                   tokens_executed_per_step=executed_per_step(name),
+                   token_limit=executed_per_step("stock") / executed_per_step(name), notes="; ".join(notes))
+        if peak(name) and peak("stock"):
+            row.update(stock_peak_mb=peak("stock"), pruned_peak_mb=peak(name), peak_ratio=peak(name) / peak("stock"))
         rows.append(row)
     return rows
 
@@ -465,10 +499,14 @@ WORKLOAD_COLUMNS = [
     ("layouts", "ran as", "{}"),
     ("speedup_paired_median", "vs stock", "{:.2f}x"),
     ("pruned_step_s", "s/step", "{:.3f}"),
+    ("tokens_executed_per_step", "tok exec", "{:.0f}"),
+    ("token_limit", "tok limit", "{:.2f}x"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
     ("padding_share", "padding", "{:.1%}"),
     ("pruned_working_mb", "work mem", "{:.0f}M"),
     ("memory_ratio", "mem ratio", "{:.2f}"),
+    ("pruned_peak_mb", "peak", "{:.0f}M"),
+    ("peak_ratio", "peak ratio", "{:.2f}"),
     ("loss_diff_first", "dloss@1", "{:.1e}"),
     ("grad_norm_rel_diff_first", "dgnorm@1", "{:.1e}"),
     ("notes", "notes", "{}"),
@@ -583,6 +621,11 @@ def main(argv=None):
         "--smoke / --quick (default, <= 6 min CPU for all) / --full",
     )
     parser.add_argument("--scale", type=float, help="with --workload: length scale (default: the mode's; 1 = full)")
+    parser.add_argument(
+        "--model", default="",
+        help="a local HF model folder or a builtin: name: its weights and tokenizer on real English text at the "
+        "workloads' lengths (default workloads: ultrafeedback hh; settings: stock, padding_free, the exact preset, "
+        "and the exact preset + each fixed pruning at 0.5; full lengths, 3 rounds)")
     parser.add_argument("--near-copy", type=float, default=0.0, metavar="FRACTION",
                         help="with --workload: the rejected response repeats this fraction of the chosen one at its "
                         "start (default 0: dissimilar responses with the workload's small shared start)")
@@ -608,8 +651,11 @@ def main(argv=None):
     workloads = None
     if args.workload:
         workloads = list(WORKLOAD_NAMES) if "all" in args.workload else list(dict.fromkeys(args.workload))
+    elif args.model:
+        workloads = ["ultrafeedback", "hh"]
     if args.settings is None:
-        args.settings = WORKLOAD_SETTINGS if workloads else SHARE_SETTINGS if mode == "share" else MAIN_SETTINGS
+        args.settings = (MODEL_SETTINGS if args.model else WORKLOAD_SETTINGS if workloads
+                         else SHARE_SETTINGS if mode == "share" else MAIN_SETTINGS)
     on_cpu = args.device == "cpu"
     # On a CPU shared with other jobs, several threads oversubscribe the cores and ratios collapse toward 1.0x: one
     # thread and the CPU-time clock measure honestly there (docs/benchmarks.md).
@@ -621,8 +667,10 @@ def main(argv=None):
     threads = torch.get_num_threads()
     warn_if_loaded()
     prefix = "workloads_" if workloads else ""
+    if args.model:
+        prefix = f"model_{os.path.basename(args.model.rstrip('/')).replace('builtin:', '')}_"
     out_dir = args.out or os.path.join(os.path.dirname(__file__), "results", f"{prefix}{mode}_{args.device}")
-    p = workload_plan(mode, workloads, args.scale, args.near_copy) if workloads else plan(mode)
+    p = workload_plan(mode, workloads, args.scale, args.near_copy, args.model) if workloads else plan(mode)
     groups = p["groups"]
     if args.only:
         groups = [g for g in groups if g["kind"] == args.only]
@@ -637,7 +685,8 @@ def main(argv=None):
     started = time.time()
     meta = dict(
         mode=mode, settings={k: SETTINGS[k] for k in args.settings}, machine=machine_info(args.device, threads),
-        model_shape=(groups[0]["workload"].model_shape if groups else None), started=time.strftime("%Y-%m-%d %H:%M"),
+        model_shape=(groups[0]["workload"].model_shape if groups and not args.model else None), model=args.model,
+        rounds=args.rounds or p["rounds"], started=time.strftime("%Y-%m-%d %H:%M"),
         dtype="bf16" if args.bf16 else "fp32", clock=args.clock,
     )
     rows = []

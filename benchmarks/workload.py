@@ -4,6 +4,11 @@ Nothing here touches the hub. The model is built from a config; the tokenizer is
 (one word = one token, so prompt and response lengths are exact); the pairs are random tokens. Stock and pruned sides
 get identical model weights, the same dataset, seed and batch size; the stock side is TRL's own `DPOTrainer`.
 
+With `Workload.model` (a local HF folder or a `builtin:` name) the model and its tokenizer are loaded from that folder
+instead, and the pairs are real English text (the Python documentation every installation ships, `pydoc_data`) cut to
+the length model's token counts under that tokenizer, in TRL's conversational format when the tokenizer has a chat
+template (then the template's tokens count in the lengths, as they do for TRL): `text_rows`.
+
 A trainer is driven step by step (`StepRunner`) the way `Trainer._inner_training_loop` drives it on one process:
 `training_step` (TRL's forward, loss and backward), gradient clipping, `optimizer.step`, scheduler step, `zero_grad`,
 `global_step += 1`. Both sides do exactly this, so the optimizer work is the same.
@@ -59,21 +64,26 @@ class Workload:
     # Std of the Gaussian noise added to the reference's weights (a copy of the policy's): with the reference equal to
     # the policy every DPO loss is log 2 whatever the log-probs, and loss agreement with stock would check nothing.
     reference_noise: float = 0.0
+    # A local HF folder or a `builtin:` name (trl_pruned_dpo.demo.resolve_model): its weights and tokenizer, real text.
+    # Empty: the bench model above (random weights, `t<i>` words).
+    model: str = ""
 
     def label(self) -> str:
+        vocab = os.path.basename(self.model.rstrip("/")).replace("builtin:", "") if self.model else (
+            f"V{self.vocab_size // 1024}k")
         if self.lengths:
-            m = LENGTH_MODELS[self.lengths]
+            m = length_model(self.lengths)
             cap = m.scaled(self.length_scale).max_total
-            base = f"{self.lengths}x{self.length_scale:g}_V{self.vocab_size // 1024}k_max{cap}"
+            base = f"{self.lengths}x{self.length_scale:g}_{vocab}_max{cap}"
             base += f"_B{self.batch_size}" + (f"_copy{self.shared_response:g}" if self.shared_response else "")
         else:
-            base = f"V{self.vocab_size // 1024}k_P{self.prompt_len}_R{self.response_len}_B{self.batch_size}"
+            base = f"{vocab}_P{self.prompt_len}_R{self.response_len}_B{self.batch_size}"
         return f"{self.name}:{base}" if self.name and self.name != self.lengths else base
 
     def max_row(self) -> int:
         """The longest row (prompt + response, EOS included) the dataset can hold."""
         if self.lengths:
-            return LENGTH_MODELS[self.lengths].scaled(self.length_scale).max_total
+            return length_model(self.lengths).scaled(self.length_scale).max_total
         return self.prompt_len + self.response_len
 
 
@@ -140,6 +150,16 @@ LENGTH_MODELS = {
 }
 
 
+def length_model(name: str) -> LengthModel:
+    """A key of LENGTH_MODELS, or `uniform:P+R`: every prompt exactly P tokens and every response R (EOS included),
+    no shared start (the memory-against-length sweep, benchmarks/memory.py)."""
+    if name.startswith("uniform:"):
+        prompt, response = (int(x) for x in name.split(":", 1)[1].split("+"))
+        return LengthModel(prompt_median=prompt, prompt_sigma=0.0, response_median=response, response_sigma=0.0,
+                           max_total=prompt + response, max_prompt=prompt, uniform=True)
+    return LENGTH_MODELS[name]
+
+
 def quiet():
     """Silence the per-trainer warnings and progress bars that would drown the table."""
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -192,11 +212,29 @@ def build_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
+def resolve_model_path(name: str) -> str:
+    """A local folder for `name`: a `builtin:` name through the package's own resolver, anything else unchanged."""
+    from trl_pruned_dpo.demo import resolve_model
+
+    return resolve_model(name)
+
+
+def load_tokenizer(w: Workload):
+    """The workload's tokenizer: the model folder's own with `w.model`, else the `t<i>` WordLevel one."""
+    if not w.model:
+        return build_tokenizer(w.vocab_size)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(w.model))
+
+
 def build_dataset(w: Workload):
     """Random pairs: prompt length in [3P/4, P], each response length in [3R/4, R] (then TRL appends EOS)."""
     from datasets import Dataset
 
     rng = random.Random(w.seed)
+    if w.model:
+        return Dataset.from_dict(text_rows(w, rng, load_tokenizer(w)))
     lo_id = len(SPECIAL_TOKENS)
 
     def words(n):
@@ -220,7 +258,7 @@ def build_dataset(w: Workload):
 def _ragged_rows(w: Workload, rng: random.Random, words) -> dict:
     """Pairs with lengths drawn from `LENGTH_MODELS[w.lengths]` at `w.length_scale`; near-copies (`shared_response`)
     repeat that fraction of the chosen response at the rejected one's start instead of the model's shared start."""
-    model = LENGTH_MODELS[w.lengths].scaled(w.length_scale)
+    model = length_model(w.lengths).scaled(w.length_scale)
     rows = {"prompt": [], "chosen": [], "rejected": []}
     for _ in range(w.batch_size * w.num_batches):
         prompt, n_chosen, n_rejected, shared = model.sample(rng)
@@ -235,13 +273,100 @@ def _ragged_rows(w: Workload, rng: random.Random, words) -> dict:
     return rows
 
 
+_CORPUS: dict = {}
+
+
+def english_corpus_ids(tokenizer) -> list[int]:
+    """The Python documentation's help topics (`pydoc_data.topics`, in every CPython installation), tokenized once per
+    tokenizer: ~450k characters of English prose with some code. Lines made only of markup (`****`, `====`) dropped."""
+    key = (tokenizer.name_or_path, len(tokenizer))
+    if key not in _CORPUS:
+        from pydoc_data.topics import topics
+
+        lines = (line for name in sorted(topics) for line in topics[name].splitlines())
+        text = "\n".join(line for line in lines if not line.strip() or line.strip().strip("*=-~^") != "")
+        _CORPUS[key] = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    return _CORPUS[key]
+
+
+def text_rows(w: Workload, rng: random.Random, tokenizer) -> dict:
+    """Real-text pairs at the length model's token counts, as TRL will tokenize them.
+
+    Per pair: (P, C, R, k) from `length_model(w.lengths)` at `w.length_scale`; the prompt is a window of the corpus,
+    chosen and rejected two other windows, the rejected one repeating the chosen one's first k tokens (the shared start
+    `prune_common_prefix` skips; `w.shared_response` overrides k as a fraction of C). With a chat template the pair
+    is conversational (a user message, an assistant message each) and P, C, R count TRL's tokens: the prompt rendered
+    with its generation prompt, each completion with its end-of-turn tokens. Without one, plain text (TRL appends EOS).
+    A window's length is adjusted until the rendered count is the target (BPE merges at a window's edges can move it by
+    a token); a target below the template's own tokens gets a one-token message.
+    """
+    corpus = english_corpus_ids(tokenizer)
+    model = length_model(w.lengths).scaled(w.length_scale)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+
+    def render(messages, generation_prompt=False):
+        if chat:
+            return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                                 return_dict=False)
+        text = "".join(m["content"] for m in messages) + ("" if generation_prompt else tokenizer.eos_token)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def window(start, n, head=()):
+        return tokenizer.decode(list(head) + corpus[start:start + n]).strip() or "."
+
+    def fit(target, count, head=()):
+        """A text whose `count` is `target` (or as close as 6 adjustments get): a window at a random start."""
+        n = max(target - len(head), 1)
+        start = rng.randrange(0, len(corpus) - 4 * max(n, 64))
+        for _ in range(6):
+            text = window(start, n, head)
+            got = count(text)
+            if got == target or (n == 1 and got > target):
+                break
+            n = max(n + target - got, 1)
+        return text
+
+    def message(role, text):
+        return [{"role": role, "content": text}] if chat else [{"role": role, "content": " " + text}]
+
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for _ in range(w.batch_size * w.num_batches):
+        n_prompt, n_chosen, n_rejected, shared = model.sample(rng)
+        prompt = message("user", fit(n_prompt, lambda t: len(render(message("user", t), True))))
+        prompt_ids = render(prompt, True)
+
+        def completion_count(text):
+            return len(render(prompt + message("assistant", text))) - len(prompt_ids)
+
+        chosen = fit(n_chosen, completion_count)
+        if w.shared_response:
+            shared = int(w.shared_response * n_chosen)
+        start = tokenizer(chosen, add_special_tokens=False)["input_ids"][:max(min(shared, n_rejected - 1), 0)]
+        rejected = fit(n_rejected, completion_count, head=start)
+        if chat:
+            rows["prompt"].append(prompt)
+            rows["chosen"].append(message("assistant", chosen))
+            rows["rejected"].append(message("assistant", rejected))
+        else:
+            rows["prompt"].append(prompt[0]["content"])
+            rows["chosen"].append(" " + chosen)
+            rows["rejected"].append(" " + rejected)
+    return rows
+
+
 def build_model(w: Workload, dtype=torch.float32, *, attn: str | None = None, device: str = "cpu"):
     """The cell's model, random weights from `w.seed`: the one builder of every benchmark (CPU harness and GPU check).
 
     `attn`: the attention implementation (None: transformers' default). `device`: where the weights are created; the
-    GPU check creates them on CUDA, so a 0.5B model is never materialised on the host first.
+    GPU check creates them on CUDA, so a 0.5B model is never materialised on the host first. With `w.model`: that
+    folder's weights (its config's own attention implementation unless `attn`).
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if w.model:
+        extra = {"attn_implementation": attn} if attn else {}
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(w.model), dtype=dtype, **extra)
+        return model.to(device)
 
     config = Qwen2Config(
         vocab_size=w.vocab_size,
@@ -269,11 +394,14 @@ def build_trainer(
     device: str = "cpu",
     bf16: bool = False,
     output_dir: str | None = None,
+    ref_model=None,
+    learning_rate: float = 1e-6,
 ):
     """`side` is "stock" (TRL's `DPOTrainer` + `DPOConfig`) or "pruned" (`PrunedDPOTrainer` + `PrunedDPOConfig`).
 
-    `model` is this side's own copy; the reference is a deep copy of it (live reference), or none with
-    `precompute_ref_log_probs=True` (then TRL precomputes with the policy itself, as it does for users).
+    `model` is this side's own copy; the reference is `ref_model`, else a (perturbed) deep copy of it (live
+    reference), or none with `precompute_ref_log_probs=True` (then TRL precomputes with the policy itself, as it does
+    for users).
     """
     from trl import DPOConfig, DPOTrainer
 
@@ -295,7 +423,7 @@ def build_trainer(
         bf16=bf16,
         fp16=False,
         use_cpu=device == "cpu",
-        learning_rate=1e-6,
+        learning_rate=learning_rate,
         seed=w.seed,
         data_seed=w.seed,
         report_to=[],
@@ -311,14 +439,29 @@ def build_trainer(
         # nothing pruned or saved (the `none` row): time the plugin's forward, not the TRL path it delegates to
         trainer_cls = PrunedDPOTrainer if uses_pruned_forward(args) else _plugin_forward_trainer()
     model = model.to(device)
-    ref_model = None if precompute else perturbed_copy(model, w.reference_noise, w.seed)
+    if precompute:
+        ref_model = None
+    elif ref_model is None:
+        ref_model = perturbed_copy(model, w.reference_noise, w.seed)
     return trainer_cls(
         model=model,
-        ref_model=ref_model,
+        ref_model=ref_model.to(device) if ref_model is not None else None,
         args=args,
         train_dataset=build_dataset(w),
-        processing_class=build_tokenizer(w.vocab_size),
+        processing_class=load_tokenizer(w),
     )
+
+
+def weight_sharing_copy(model):
+    """A copy of `model`'s modules and config whose parameters are `model`'s own tensors (buffers copied).
+
+    The `--model` timing process holds one trainer per setting side by side; seven private copies of a 135M model with
+    its reference and Adam state would take ~19 GB. Each trainer gets its own module tree and config (the plugin
+    repoints its config's attention, workload stock's must stay stock) over one set of weights, and one optimizer
+    (`StepRunner(optimizer=)`) at learning rate 0, so the weights every trainer sees stay identical while each step
+    still runs the optimizer's arithmetic.
+    """
+    return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
 
 
 def perturbed_copy(model, noise: float, seed: int):
@@ -363,13 +506,17 @@ def _plugin_forward_trainer():
 class StepRunner:
     """Drives one trainer step by step, as `Trainer._inner_training_loop` does on a single process."""
 
-    def __init__(self, trainer, max_steps: int = 10**6):
+    def __init__(self, trainer, max_steps: int = 10**6, optimizer=None):
+        """`optimizer`: a torch optimizer shared with other runners over the same weights (workload.weight_sharing_copy);
+        None: the trainer creates its own, as `Trainer.train` does."""
         self.trainer = trainer
         args = trainer.args
         if args.activation_checkpointing:  # what `Trainer.train` does before the loop
             kwargs = dict(args.activation_checkpointing_kwargs or {})
             trainer.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+        trainer.optimizer = optimizer
         trainer.create_optimizer()
+        self.optimizer = trainer.optimizer  # unwrapped (accelerate wraps it below)
         self.model, trainer.optimizer = trainer.accelerator.prepare(trainer.model, trainer.optimizer)
         trainer.model_wrapped = self.model
         trainer.create_scheduler(num_training_steps=max_steps)

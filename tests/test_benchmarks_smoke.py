@@ -195,3 +195,134 @@ def test_warns_when_the_machine_is_loaded(monkeypatch, capsys):
     monkeypatch.setattr(step_time.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
     step_time.warn_if_loaded()
     assert capsys.readouterr().err == ""
+
+
+def _chat_model_folder(tmp_path) -> str:
+    """builtin:tiny-demo (a 2-layer Llama, character-level tokenizer) copied with a chat template: the `--model` path
+    of a pretrained chat model, in seconds."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from trl_pruned_dpo.demo import resolve_model
+
+    folder = tmp_path / "tiny-chat"
+    shutil.copytree(resolve_model("builtin:tiny-demo"), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}<eos>{% endfor %}"
+        "{% if add_generation_prompt %}<bos>assistant: {% endif %}"
+    )
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_text_rows_hit_the_length_model(tmp_path, chat):
+    """`--model`'s pairs are real text at the length model's token counts as TRL tokenizes them (within a token or
+    two: BPE merges at a window's edges), conversational when the tokenizer has a chat template."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.workload import Workload, length_model, text_rows
+    from trl_pruned_dpo.demo import resolve_model
+
+    folder = _chat_model_folder(tmp_path) if chat else resolve_model("builtin:tiny-demo")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    w = Workload(lengths="hh", length_scale=0.5, batch_size=4, num_batches=2, model=folder)
+    rows = text_rows(w, random.Random(0), tokenizer)
+    assert len(rows["prompt"]) == 8
+    texts = []
+    for prompt, chosen, rejected in zip(rows["prompt"], rows["chosen"], rows["rejected"]):
+        if chat:
+            p = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
+            c = tokenizer.apply_chat_template(prompt + chosen, return_dict=False)
+            r = tokenizer.apply_chat_template(prompt + rejected, return_dict=False)
+            texts += [prompt[0]["content"], chosen[0]["content"]]
+        else:
+            p = tokenizer(prompt)["input_ids"]
+            c = tokenizer(prompt + chosen + tokenizer.eos_token)["input_ids"]
+            r = tokenizer(prompt + rejected + tokenizer.eos_token)["input_ids"]
+            texts += [prompt, chosen]
+        assert c[:len(p)] == p and r[:len(p)] == p  # the prompt is a prefix: TRL's split is where we think
+        assert c != r
+    text = " ".join(texts)
+    assert len(text.split()) > 50 and sum(ch.isalpha() for ch in text) > len(text) / 2  # English words, not ids
+    lengths = [len(tokenizer(x if not chat else x[0]["content"])["input_ids"]) for x in rows["prompt"]]
+    assert max(lengths) <= length_model("hh").scaled(0.5).max_prompt + 2
+
+
+def test_model_smoke_run(tmp_path):
+    """`--model` end to end in its tiniest mode: a local chat-model folder, real text, the issue's rows and columns."""
+    from benchmarks import report, step_time
+
+    out = tmp_path / "bench"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--model", _chat_model_folder(tmp_path),
+         "--workload", "hh", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tok limit" in proc.stdout and "peak ratio" in proc.stdout
+    data = json.loads((out / "step_time.json").read_text())
+    rows = {r["setting"]: r for r in data["results"]}
+    assert list(rows) == ["stock", *step_time.MODEL_SETTINGS]
+    assert rows["stock"]["vocab"] == 99 and rows["stock"]["model"].endswith("tiny-chat")  # the folder's model
+    for name in step_time.MODEL_SETTINGS:
+        row = rows[name]
+        assert row["tokens_executed_per_step"] > 0 and row["batches_match"]
+        assert row["token_limit"] == pytest.approx(
+            rows["stock"]["tokens_executed_per_step"] / row["tokens_executed_per_step"])
+        if row["exact"]:  # shared weights at learning rate 0: every trainer's step 1 is on stock's weights
+            assert row["loss_diff_first"] <= report.EXACT_LOSS, row
+    assert rows["exact"]["token_limit"] > 1  # ragged real text: the exact preset runs fewer tokens than stock
+    assert rows["exact"]["pruned_peak_mb"] > 0 and rows["exact"]["peak_ratio"] > 0  # fresh-process memory (smoke:
+    assert rows["stock"]["pruned_peak_mb"] > 0  # stock and the exact preset only; the model preset measures all)
+
+
+def test_memory_sweep_skips_and_bisects():
+    """The sweep's logic on a fake server whose memory is 100 + L / 10 MiB (stock) or half of it (exact): points
+    predicted over the budget are not run, and bisection closes in on the longest length that fits."""
+    from benchmarks import memory
+
+    class Fake:
+        def __init__(self):
+            self.runs = []
+
+        def measure(self, spec):
+            length = sum(int(x) for x in spec["workload"]["lengths"].split(":")[1].split("+"))
+            self.runs.append((spec["side"], length))
+            peak = 100 + length / 10 if spec["side"] == "stock" else 50 + length / 20
+            if peak > spec["cap_mb"]:
+                return {"ok": False, "over_cap": True, "stopped_at_mb": 1000 + peak, "rss_start_mb": 1000}
+            return {"ok": True, "peak_mb": 1000 + peak, "rss_start_mb": 1000, "working_mb": peak / 2, "build_mb": 1,
+                    "cpu_s": 0.1}
+
+    server = Fake()
+    rows = memory.sweep(server, model="", lengths=[512, 1024, 2048, 4096], budget_mb=260, pairs=8, bisect=3,
+                        log=lambda _: None)
+    longest = {r["side"]: r for r in rows if r["phase"] == "longest"}
+    # stock: 151, 202 fit; 2048 predicted at 304 > 260: not run, nor 4096; longest fit 1600 -> bisect from 1024
+    assert ("stock", 2048) not in server.runs and ("stock", 4096) not in server.runs
+    assert longest["stock"]["longest_fit"] >= 1024 and longest["stock"]["shortest_over"] <= 2048
+    assert longest["exact"]["longest_fit"] >= 2048  # 50 + 4096 / 20 = 255 fits
+    assert "over (predicted" in memory.length_table(rows)
+
+
+def test_memory_length_smoke_run(tmp_path):
+    """`python -m benchmarks.memory` end to end at tiny lengths: a measured point per side, the table and the plot."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--lengths", "32", "64", "--pairs", "1", "--bisect", "0",
+         "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "memory_length.json").read_text())
+    measured = [r for r in data["results"] if "peak_mb" in r]
+    assert {r["side"] for r in measured} == {"stock", "exact"} and all(r["peak_mb"] > 0 for r in measured)
+    assert "| 32 |" in proc.stdout and "Longest length" in proc.stdout
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "memory_length.png").stat().st_size > 0
