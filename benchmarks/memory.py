@@ -82,8 +82,17 @@ def measure(spec: dict, abort=None) -> dict:
         device=device, bf16=spec.get("bf16", False),
     )
     runner = StepRunner(trainer)
-    for _ in range(spec.get("warmup", 1)):
-        runner.step()
+    if spec.get("warmup") == "optimizer":
+        # The optimizer's state without a warm-up step's compute: one optimizer step on zero gradients allocates
+        # Adam's moments, as a first real step would (the sweep's long steps would otherwise cost twice).
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        runner.optimizer.step()
+        runner.model.zero_grad(set_to_none=True)
+    else:
+        for _ in range(spec.get("warmup", 1)):
+            runner.step()
     peaks = []
     if device == "cpu":
         _trim()
@@ -223,12 +232,25 @@ def predict(points: dict[int, float], length: int) -> float | None:
     return float(np.polyval(np.polyfit(xs, [points[x] for x in xs], 2), length))
 
 
+def crossing(points: dict[int, float], budget_mb: float) -> float | None:
+    """Where `predict`'s curve through the measured points reaches the budget beyond the longest point (a fit, not a
+    measurement; None when it never does or there are fewer than two points)."""
+    xs = sorted(points)
+    if len(xs) < 2:
+        return None
+    length = xs[-1]
+    while length < 2**20 and predict(points, length) <= budget_mb:
+        length = int(length * 1.01) + 1
+    return length if length < 2**20 else None
+
+
 def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: int, bisect: int, log) -> list[dict]:
     """Per side: each length in turn (a point predicted over the budget is skipped, and every longer one), then
     `bisect` halvings between the longest length that fit and the shortest that did not (multiples of 64).
 
-    Memory is the trainer's peak RSS over one training step after one warm-up step (which allocates the optimizer
-    state), minus the process's RSS before the trainer was built: weights, reference, optimizer state and the step.
+    Memory is the trainer's peak RSS over its first training step, after one optimizer step on zero gradients (which
+    allocates Adam's moments, as a warm-up step would, at none of its compute), minus the process's RSS before the
+    trainer was built: weights, reference, optimizer state and the step.
     """
     rows = []
     for side, pruning in SIDES.items():
@@ -245,7 +267,8 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
                 from dataclasses import asdict
 
                 spec = dict(workload=asdict(w), side="stock" if pruning is None else "pruned", pruning=pruning,
-                            precompute=False, checkpointing=True, device="cpu", warmup=1, steps=1, threads=1,
+                            precompute=False, checkpointing=True, device="cpu", warmup="optimizer", steps=1,
+                            threads=1,
                             cap_mb=budget_mb)
                 started = time.time()
                 result = server.measure(spec)
@@ -284,8 +307,11 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
                 break
             run(mid, "bisect")
         lo, hi = max(fits, default=None), min(over, default=None)
-        rows.append(dict(side=side, phase="longest", longest_fit=lo, shortest_over=hi, budget_mb=budget_mb))
-        log(f"  {side}: longest length that fits {budget_mb / 1024:g} GiB: {lo} (shortest over: {hi})")
+        fitted = crossing(points, budget_mb) if hi is None else None
+        rows.append(dict(side=side, phase="longest", longest_fit=lo, shortest_over=hi, budget_mb=budget_mb,
+                         fitted_limit=fitted))
+        log(f"  {side}: longest length that fits {budget_mb / 1024:g} GiB: {lo} (shortest over: {hi}"
+            + (f"; the fit through the points reaches the budget at ~{fitted})" if fitted else ")"))
     return rows
 
 
@@ -316,7 +342,9 @@ def length_table(rows: list[dict]) -> str:
         budget = next(iter(longest.values()))["budget_mb"] / 1024
         parts = []
         for side, r in longest.items():
-            hi = f" (shortest measured over: {r['shortest_over']})" if r["shortest_over"] else " (all fit)"
+            hi = (f" (shortest measured over: {r['shortest_over']})" if r["shortest_over"] else
+                  f" (all fit; a quadratic fit through the points reaches the budget at ~{r['fitted_limit']}, "
+                  "not measured)" if r.get("fitted_limit") else " (all fit)")
             parts.append(f"{side} {r['longest_fit']}{hi}")
         lines += ["", f"Longest length measured to fit {budget:g} GiB: " + "; ".join(parts) + "."]
     return "\n".join(lines)

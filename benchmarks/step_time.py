@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import gc
 import json
 import os
 import platform
@@ -462,7 +463,8 @@ def measure_memory(server, group: dict, settings: list[str], device: str, bf16: 
         spec = dict(
             workload=asdict(w), side="stock" if name == "stock" else "pruned", pruning=SETTINGS.get(name),
             precompute=group["precompute"], checkpointing=group["checkpointing"], device=device, bf16=bf16,
-            warmup=1, steps=steps, threads=threads,
+            # a pretrained model's steps are long: its optimizer state comes from a zero-gradient step (memory.py)
+            warmup="optimizer" if w.model else 1, steps=steps, threads=threads,
         )
         out[name] = server.measure(spec)
         if out[name].get("ok"):
@@ -707,6 +709,7 @@ def main(argv=None):
                 f"{'precomputed' if group['precompute'] else 'live'} checkpointing={group['checkpointing']}"
             )
             timed = time_group(group, args.settings, warmup, rounds, args.device, args.bf16, log)
+            gc.collect()  # the timed trainers (a pretrained model's weights, Adam state) go before the memory runs
             memory = {}
             wants_memory = p["memory"] == "all" or p["memory"] == group["kind"]
             if memory_server is not None and wants_memory:
