@@ -342,6 +342,8 @@ def length_table(rows: list[dict]) -> str:
         budget = next(iter(longest.values()))["budget_mb"] / 1024
         parts = []
         for side, r in longest.items():
+            points = {p["length"]: p["peak_mb"] for p in rows if p["side"] == side and "peak_mb" in p}
+            r = dict(r, fitted_limit=crossing(points, r["budget_mb"]) if not r["shortest_over"] else None)
             hi = (f" (shortest measured over: {r['shortest_over']})" if r["shortest_over"] else
                   f" (all fit; a quadratic fit through the points reaches the budget at ~{r['fitted_limit']}, "
                   "not measured)" if r.get("fitted_limit") else " (all fit)")
@@ -429,5 +431,8 @@ def main(argv=None):
 if __name__ == "__main__":
     if sys.argv[1:] == ["--serve"]:
         _serve()
+    elif sys.argv[1:2] == ["--table"]:  # re-print a results file's table: python -m benchmarks.memory --table FILE
+        with open(sys.argv[2]) as f:
+            print(length_table(json.load(f)["results"]))
     else:
         main()

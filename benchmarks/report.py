@@ -156,8 +156,9 @@ def targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
 def workload_table(rows: list[dict]) -> str:
     """The `--workload` table: one row per workload and setting (stock first), as docs/benchmarks.md shows it."""
     head = (
-        "| workload | setting | ran as | step time vs stock (median) | s/step | tokens/s | padding (of executed) "
-        "| working memory vs stock | loss diff at step 1 (max) | grad-norm rel. diff at step 1 | notes |"
+        "| workload | setting | ran as | step time vs stock (median) | s/step | tokens executed / step | token limit "
+        "| tokens/s | padding (of executed) | working memory vs stock | loss diff at step 1 (max) "
+        "| grad-norm rel. diff at step 1 | notes |"
     )
     lines = _header(head)
     for r in rows:
@@ -178,6 +179,7 @@ def workload_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['workload']} | {r['setting']} | {'/'.join(r.get('layouts') or [])} "
             f"| **{r['speedup_paired_median']:.2f}x** | {r['pruned_step_s']:.3f} "
+            f"| {_f(r.get('tokens_executed_per_step'), '{:.0f}')} | {_f(r.get('token_limit'), '{:.2f}x')} "
             f"| {r['tokens_per_s']:.0f} | {_f(r.get('padding_share'), '{:.1%}')} | {mem} | {agree} | {norm} "
             f"| {r.get('notes') or ''} |"
         )
