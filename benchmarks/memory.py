@@ -244,7 +244,8 @@ def crossing(points: dict[int, float], budget_mb: float) -> float | None:
     return length if length < 2**20 else None
 
 
-def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: int, bisect: int, log) -> list[dict]:
+def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: int, bisect: int, log,
+          save=lambda rows: None) -> list[dict]:
     """Per side: each length in turn (a point predicted over the budget is skipped, and every longer one), then
     `bisect` halvings between the longest length that fit and the shortest that did not (multiples of 64).
 
@@ -286,6 +287,7 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
                 else:
                     row.update(status="failed", error=result.get("error"))
             rows.append(row)
+            save(rows)  # a long sweep that is stopped keeps its points
             log(f"  {side:5s} L={length:5d} {row['status']:24s} peak {row.get('peak_mb', float('nan')):7.0f} MiB "
                 f"(working {row.get('working_mb', float('nan')):6.0f}; predicted "
                 f"{'-' if pred is None else f'{pred:.0f}'}) {row.get('wall_s', 0):5.0f} s")
@@ -308,8 +310,9 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
             run(mid, "bisect")
         lo, hi = max(fits, default=None), min(over, default=None)
         fitted = crossing(points, budget_mb) if hi is None else None
-        rows.append(dict(side=side, phase="longest", longest_fit=lo, shortest_over=hi, budget_mb=budget_mb,
-                         fitted_limit=fitted))
+        how = next((r["status"] for r in rows if r["side"] == side and r.get("length") == hi), None)
+        rows.append(dict(side=side, phase="longest", longest_fit=lo, shortest_over=hi, shortest_over_how=how,
+                         budget_mb=budget_mb, fitted_limit=fitted))
         log(f"  {side}: longest length that fits {budget_mb / 1024:g} GiB: {lo} (shortest over: {hi}"
             + (f"; the fit through the points reaches the budget at ~{fitted})" if fitted else ")"))
     return rows
@@ -338,13 +341,15 @@ def length_table(rows: list[dict]) -> str:
                  if s and e and "peak_mb" in s and "peak_mb" in e else "–")
         lines.append(f"| {length} | {cell(s)} | {cell(e)} | {ratio} |")
     longest = {r["side"]: r for r in rows if r.get("phase") == "longest"}
-    if longest:
+    if longest:  # (a stopped sweep has none)
         budget = next(iter(longest.values()))["budget_mb"] / 1024
         parts = []
         for side, r in longest.items():
             points = {p["length"]: p["peak_mb"] for p in rows if p["side"] == side and "peak_mb" in p}
             r = dict(r, fitted_limit=crossing(points, r["budget_mb"]) if not r["shortest_over"] else None)
-            hi = (f" (shortest measured over: {r['shortest_over']})" if r["shortest_over"] else
+            how = r.get("shortest_over_how") or next((p.get("status") for p in rows if p["side"] == side and r[
+                "shortest_over"] and p.get("length") == r["shortest_over"]), "")
+            hi = (f" (shortest over: {r['shortest_over']}, {how})" if r["shortest_over"] else
                   f" (all fit; a quadratic fit through the points reaches the budget at ~{r['fitted_limit']}, "
                   "not measured)" if r.get("fitted_limit") else " (all fit)")
             parts.append(f"{side} {r['longest_fit']}{hi}")
@@ -412,13 +417,17 @@ def main(argv=None):
                 pairs=args.pairs, lengths=args.lengths, budget_mb=budget_mb, prompt_share=PROMPT_SHARE,
                 checkpointing=True, reference="live", threads=1, started=time.strftime("%Y-%m-%d %H:%M"),
                 machine=machine_info("cpu", 1))
+    os.makedirs(out, exist_ok=True)
+
+    def save(rows):
+        meta["elapsed_s"] = time.time() - started
+        with open(os.path.join(out, "memory_length.json"), "w") as f:
+            json.dump(dict(meta=meta, results=rows), f, indent=1)
+
     with MemoryServer() as server:
         rows = sweep(server, model=args.model, lengths=args.lengths, budget_mb=budget_mb, pairs=args.pairs,
-                     bisect=args.bisect, log=log)
-    meta["elapsed_s"] = time.time() - started
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "memory_length.json"), "w") as f:
-        json.dump(dict(meta=meta, results=rows), f, indent=1)
+                     bisect=args.bisect, log=log, save=save)
+    save(rows)
     print(length_table(rows))
     try:
         plot_lengths(rows, meta, os.path.join(out, "memory_length.png"))

@@ -713,6 +713,9 @@ def main(argv=None):
             memory = {}
             wants_memory = p["memory"] == "all" or p["memory"] == group["kind"]
             if memory_server is not None and wants_memory:
+                # the timings first: a long run that dies in its memory runs keeps them
+                summary = (summarize_workload if workloads else summarize)(group, timed, {}, args.clock)
+                write_outputs(out_dir, meta, rows + summary, plot_png=False)
                 names = [s for s in args.settings if s in p.get("memory_settings", args.settings)]
                 memory = measure_memory(
                     memory_server, group, names, args.device, args.bf16, p["memory_steps"], log, threads
