@@ -414,12 +414,15 @@ def summarize_workload(group: dict, timed: dict, memory: dict, clock: str) -> li
         layouts = sorted({r["layout"] for r in steps[name]})
         pad = padding(name)
         notes = []
-        if fields.get("padding_free"):
+        # branch pruning keeps one branch of some pairs: those run as rows beside the shared pairs ("mixed", whose
+        # padding is not counted) by design
+        split_by_design = fields.get("branch_keep_prob", 1.0) < 1.0 and set(layouts) <= {"shared", "mixed"}
+        if fields.get("padding_free") and not split_by_design:
             if "trl-padded" in layouts:
                 notes.append("padding_free ignored: TRL's padded forward ran")
             elif pad is None or pad > PAD_HONOURED:
                 notes.append("padding_free not honoured: " + (f"{pad:.1%} padding" if pad is not None else "mixed"))
-        if fields.get("share_prompt") and layouts != ["shared"]:
+        if fields.get("share_prompt") and layouts != ["shared"] and not split_by_design:
             notes.append(f"share_prompt did not share ({'/'.join(layouts)})")
         exact = not any(k in fields for k in ESTIMATORS)
         row.update(base, **agreement(steps["stock"], steps[name]))
