@@ -416,7 +416,7 @@ def summarize_workload(group: dict, timed: dict, memory: dict, clock: str) -> li
         notes = []
         # branch pruning keeps one branch of some pairs: those run as rows beside the shared pairs ("mixed", whose
         # padding is not counted) by design
-        split_by_design = fields.get("branch_keep_prob", 1.0) < 1.0 and set(layouts) <= {"shared", "mixed"}
+        split_by_design = fields.get("branch_keep_prob", 1.0) < 1.0 and set(layouts) <= {"shared", "mixed", "rows-packed"}
         if fields.get("padding_free") and not split_by_design:
             if "trl-padded" in layouts:
                 notes.append("padding_free ignored: TRL's padded forward ran")
