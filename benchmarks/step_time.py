@@ -114,9 +114,10 @@ WORKLOAD_MODES = {  # length scale (not for `short`), rounds, memory settings; q
                   vocab=512),
     "quick": dict(scale=0.25, batch=8, batches=4, warmup=1, rounds=3, memory_steps=1, memory_settings=["exact"]),
     "full": dict(scale=0.5, batch=8, batches=8, warmup=1, rounds=7, memory_steps=2),
-    # `--model` (a pretrained model: a 135M one takes ~20-60 s per stock step at full length on one thread): full
-    # lengths, 4 batches cycled, one measured step per fresh memory process
-    "model": dict(scale=1.0, batch=8, batches=4, warmup=1, rounds=3, memory_steps=1),
+    # `--model` (a pretrained model): a quarter of the lengths, 4 batches cycled, one measured step per fresh memory
+    # process. SmolLM2-135M at x0.25: a stock step ~40-55 CPU s and ~4.7 GiB of step memory, ~20 CPU min in all; at
+    # full length (`--scale 1`) ~4x the time and, for stock's 49k-vocabulary logits, ~4x the memory (>16 GiB)
+    "model": dict(scale=0.25, batch=8, batches=4, warmup=1, rounds=3, memory_steps=1),
 }
 
 
@@ -416,7 +417,8 @@ def summarize_workload(group: dict, timed: dict, memory: dict, clock: str) -> li
         notes = []
         # branch pruning keeps one branch of some pairs: those run as rows beside the shared pairs ("mixed", whose
         # padding is not counted) by design
-        split_by_design = fields.get("branch_keep_prob", 1.0) < 1.0 and set(layouts) <= {"shared", "mixed", "rows-packed"}
+        split_by_design = (fields.get("branch_keep_prob", 1.0) < 1.0
+                           and set(layouts) <= {"shared", "mixed", "rows-packed"})
         if fields.get("padding_free") and not split_by_design:
             if "trl-padded" in layouts:
                 notes.append("padding_free ignored: TRL's padded forward ran")
@@ -630,7 +632,7 @@ def main(argv=None):
         "--model", default="",
         help="a local HF model folder or a builtin: name: its weights and tokenizer on real English text at the "
         "workloads' lengths (default workloads: ultrafeedback hh; settings: stock, padding_free, the exact preset, "
-        "and the exact preset + each fixed pruning at 0.5; full lengths, 3 rounds)")
+        "and the exact preset + each fixed pruning at 0.5; lengths x0.25 unless --scale, 3 rounds)")
     parser.add_argument("--near-copy", type=float, default=0.0, metavar="FRACTION",
                         help="with --workload: the rejected response repeats this fraction of the chosen one at its "
                         "start (default 0: dissimilar responses with the workload's small shared start)")
