@@ -55,20 +55,24 @@ except ImportError:  # torch < 2.10: the per-segment path everywhere
 
 
 def _per_segment(query, key, value, packing: Packing, scaling):
-    """SDPA segment by segment: queries (T, H, D), gathered keys/values (K, Hkv, D); lower-right causal."""
+    """SDPA segment by segment: queries (T, H, D), gathered keys/values (K, Hkv, D); lower-right causal.
+
+    Batched 4D inputs (1, H, L, D): SDPA takes its fused kernels (on CPU the flash kernel, which keeps only a
+    logsumexp per query for the backward) only for 4D inputs; 3D ones run the math path, which keeps lq x lk scores
+    and probabilities per head (docs/benchmarks.md, "Where a step's memory goes")."""
     out = torch.empty_like(query)
     gqa = query.size(1) != key.size(1)
     q0s, k0s = packing.host_q, packing.host_k
     for s in range(len(q0s) - 1):
         q0, q1, k0, k1 = q0s[s], q0s[s + 1], k0s[s], k0s[s + 1]
         lq, lk = q1 - q0, k1 - k0
-        q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
         if lq == lk:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-        else:
+        else:  # a bool mask of this segment's lq x lk (1 byte per score, freed after the call)
             visible = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa)
-        out[q0:q1] = o.transpose(0, 1)
+        out[q0:q1] = o[0].transpose(0, 1)
     return out
 
 
