@@ -9,8 +9,9 @@ each live allocation is attributed to
 
 - the region of the step: policy forward (with grad / no-grad), reference forward, backward (gradient checkpointing's
   recompute included: it runs inside the backward), optimizer, other (collation, masks, loss, metrics);
-- the innermost model module open (ranges pushed by forward hooks: `attn`, `mlp`, `lm_head`, ...; the fused LM head
-  runs in the model's top-level forward after the last layer, so it appears as the model itself);
+- the innermost model module open (ranges pushed by forward hooks: `attn`, `mlp`, `norm`, ...; the fused LM head
+  runs in the model's top-level forward after the last layer, so it appears as `model`), or in the backward outside
+  a recomputed module the autograd node (e.g. `ChunkedLogProbFunctionBackward`: the head);
 - the outermost aten operator that allocated it (e.g. `aten::scaled_dot_product_attention`, `aten::index_select`).
 
 Beside the peak, the bytes saved for backward outside checkpointed layers (a `saved_tensors_hooks` tally, by module;
@@ -81,13 +82,13 @@ def _attribution(event) -> tuple[str, str, str]:
             module = name[2:]
         elif name.startswith("autograd::engine::evaluate_function") and region == "other":
             region = "backward"
+            if module == "-":  # outside a recomputed module: the autograd node that allocated it
+                module = name.split(": ", 1)[-1]
         elif name.startswith("Optimizer.step"):
             region = "optimizer"
         elif name.startswith("aten::"):
             op = name  # the outermost aten op wins (the loop walks outwards)
         node = node.parent
-    if region.startswith("policy") or region.startswith("reference"):
-        pass
     return region, module, op
 
 
