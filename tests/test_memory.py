@@ -95,3 +95,29 @@ def test_head_tiles_are_bounded(monkeypatch):
     assert sum(counter.rows) == 2 * 40
     for a, b in zip(sliced, whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sliced_head_trains_exactly_as_stock(monkeypatch, tokenizer, tmp_path):
+    """The exact preset with the head sliced to 3 positions per call (policy and reference forwards, checkpointing
+    on): loss and every gradient as stock's (test_packed.assert_exact). Stock calls TRL's head once per forward."""
+    import trl.trainer.utils as trl_utils
+    from test_packed import assert_exact, family, pair_of_trainers
+
+    class Counted:
+        def __init__(self, function):
+            self.function, self.rows = function, []
+
+        def apply(self, hidden, *rest):
+            self.rows.append(hidden.shape[0])
+            return self.function.apply(hidden, *rest)
+
+    counted = Counted(trl_utils._ChunkedLogProbFunction)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", counted)
+    monkeypatch.setattr(seam, "HEAD_TILE_ELEMENTS", 3 * len(tokenizer))
+    stock, pruned = pair_of_trainers(family("qwen2"), tokenizer, tmp_path, padding_free=True, share_prompt=True,
+                                     prune_common_prefix=True)
+    counted.rows.clear()  # (building the trainers checks the compact head once)
+    assert_exact(stock, pruned, checkpointing=True)
+    whole = [n for n in counted.rows if n > 3]
+    assert len(whole) == 2  # stock: its policy and its reference forward
+    assert len(counted.rows) - len(whole) > 2 * 4  # the plugin's: both forwards, each in several slices
