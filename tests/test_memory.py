@@ -121,3 +121,15 @@ def test_sliced_head_trains_exactly_as_stock(monkeypatch, tokenizer, tmp_path):
     whole = [n for n in counted.rows if n > 3]
     assert len(whole) == 2  # stock: its policy and its reference forward
     assert len(counted.rows) - len(whole) > 2 * 4  # the plugin's: both forwards, each in several slices
+
+
+def test_breakdown_replays_allocations_to_their_peak():
+    """benchmarks/memory_breakdown.py's replay: the peak is the maximum of the live bytes in time order, and what was
+    live then is attributed (a freed allocation is not; one never freed in the step is)."""
+    from benchmarks.memory_breakdown import peak_breakdown
+
+    head, layer, kept = ("backward", "head", "aten::mul"), ("backward", "mlp", "aten::mm"), ("fwd", "model", "aten::add")
+    allocs = [[0, None, 10, kept], [1, 3, 100, head], [4, 6, 60, layer], [5, 7, 30, layer]]
+    peak, live, regions = peak_breakdown(allocs)
+    assert peak == 110 and live == {kept: 10, head: 100}
+    assert regions["backward"] == 110 and regions["fwd"] == 10
