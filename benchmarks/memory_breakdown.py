@@ -137,7 +137,7 @@ def peak_breakdown(allocs) -> tuple[float, dict]:
 
 
 class SavedForBackward:
-    """Bytes saved for backward outside checkpointed layers, by the innermost labelled module (storages counted once)."""
+    """Bytes saved for backward outside checkpointed layers, by the innermost labelled module (each storage once)."""
 
     def __init__(self, model):
         self.bytes, self.seen, self.stack = collections.Counter(), set(), []
@@ -207,7 +207,8 @@ def profile_side(side: str, setting: str | None, w, base, top: int) -> str:
         lines.append(f"    {size / MB:8.1f}  {region} | {module} | {op}")
     lines.append("  saved for backward outside checkpointed layers (MB): " + ", ".join(
         f"{k} {v / MB:.1f}" for k, v in saved.bytes.most_common()))
-    lines.append("  state before the step (MB): " + ", ".join(f"{k} {v / MB:.1f}" for k, v in state_bytes(trainer).items()))
+    state = state_bytes(trainer)
+    lines.append("  state before the step (MB): " + ", ".join(f"{k} {v / MB:.1f}" for k, v in state.items()))
     return "\n".join(lines)
 
 

@@ -29,9 +29,9 @@ def _saved_bytes(fn) -> int:
 
 
 def test_packed_attention_keeps_tokens_not_scores_for_backward():
-    """One long branch segment after a shared part (lower-right causal, 192 queries over 448 keys), one plain segment and
-    a one-token one; 8 query heads over 2 key heads. Kept for backward: q, k, v, the output, a logsumexp per query and
-    head, and a mask per segment with keys before its queries (lq x lk, not per head). The math path that 3D inputs
+    """One long branch segment after a shared part (lower-right causal, 192 queries over 448 keys), one plain segment
+    and a one-token one; 8 query heads over 2 key heads. Kept for backward: q, k, v, the output, a logsumexp per query
+    and head, and a mask per segment with keys before its queries (lq x lk, not per head). The math path that 3D inputs
     took kept 8 heads x lq x lk scores and probabilities per segment: over 4x this bound."""
     heads, kv_heads, dim = 8, 2, 16
     q_lens, k_lens = [192, 64, 1], [448, 64, 9]
@@ -128,7 +128,8 @@ def test_breakdown_replays_allocations_to_their_peak():
     live then is attributed (a freed allocation is not; one never freed in the step is)."""
     from benchmarks.memory_breakdown import peak_breakdown
 
-    head, layer, kept = ("backward", "head", "aten::mul"), ("backward", "mlp", "aten::mm"), ("fwd", "model", "aten::add")
+    head, layer = ("backward", "head", "aten::mul"), ("backward", "mlp", "aten::mm")
+    kept = ("fwd", "model", "aten::add")
     allocs = [[0, None, 10, kept], [1, 3, 100, head], [4, 6, 60, layer], [5, 7, 30, layer]]
     peak, live, regions = peak_breakdown(allocs)
     assert peak == 110 and live == {kept: 10, head: 100}

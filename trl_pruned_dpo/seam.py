@@ -14,8 +14,10 @@ Each private, and what pins it (a test that fails when the assumption breaks, no
 - `Trainer._maybe_log_save_evaluate(tr_loss, grad_norm, ...)` called positionally: checked at import, and
   tests/test_failures.py::test_guard_reads_the_step_gradient_norm (a NaN gradient norm must stop the run);
 - TRL's `_use_triton` switch of the fused head (`compact_lm_head`): `check_compact_lm_head`, once per process;
-- the fused head calling `trl.trainer.utils._ChunkedLogProbFunction.apply` (`compact_lm_head` slices its positions):
-  tests/test_memory.py::test_head_tiles_are_bounded counts the rows of every head tile.
+- the fused head calling `trl.trainer.utils._ChunkedLogProbFunction.apply`, and
+  `trl.kernels.chunked_logprob._use_triton` telling where it folds in Triton (`compact_lm_head` slices the
+  positions elsewhere): tests/test_memory.py counts the rows of every head tile (test_head_tiles_are_bounded,
+  test_sliced_head_trains_exactly_as_stock).
 The tokenizer comes from the public `processing_class` (a processor's `.tokenizer`), never TRL's `_tokenizer`.
 """
 
@@ -175,7 +177,7 @@ def restore_logging_window(trainer, window: dict) -> bool:
     return True
 
 
-# Tokens x vocabulary columns of one call of TRL's head where it folds its tiles in torch (CPU): each of the ~10
+# Tokens x vocabulary columns of one call of TRL's head where it folds its tiles in torch (CPU): each of the ~11
 # temporaries its backward builds per tile (logits, probabilities, the gradient, ...) is then 8 MiB in fp32.
 HEAD_TILE_ELEMENTS = 2**21
 
@@ -185,8 +187,8 @@ class _TokenSlicedHead:
     "Where a step's memory goes").
 
     TRL tiles the head by 4,096 positions, and where it has no Triton kernel (CPU) its forward and backward build each
-    (positions, vocab) tile and ~10 temporaries of that size in torch: with an 8k vocabulary that is ~1.3 GB however
-    few positions a step scores, the largest allocation of the step. Slicing the positions so that a tile holds at
+    (positions, vocab) tile and ~11 temporaries of that size in torch: with an 8k vocabulary ~1.45 GB once a step
+    scores 4,096 positions, the largest allocation of the step. Slicing the positions so that a tile holds at
     most `HEAD_TILE_ELEMENTS` bounds it; each position's outputs are computed by the same kernel on the same row, so
     only the order the weight gradient's terms are summed in changes (round-off). Triton devices fold in registers:
     unchanged there."""

@@ -69,7 +69,7 @@ def _per_segment(query, key, value, packing: Packing, scaling):
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
         if lq == lk:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-        else:  # a bool mask of this segment's lq x lk (1 byte per score, freed after the call)
+        else:  # this segment's own lq x lk mask (SDPA keeps it, as floats, for the backward: one per segment, not head)
             visible = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa)
         out[q0:q1] = o[0].transpose(0, 1)
