@@ -51,12 +51,12 @@ def family(name, **extra):
 
 
 EXACT = [family("llama"), family("qwen2"), family("qwen3"), family("mistral", sliding_window=None),
-         family("mistral", sliding_window=4096), family("gpt_neox")]
+         family("mistral", sliding_window=4096), family("gpt_neox"), family("mistral", sliding_window=8),
+         family("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), family("gemma2"),
+         family("opt")]  # every family of tests/test_exactness_matrix.py; here both savings alone, too
 FALLBACK = [  # (family, what the one warning must name)
-    (family("gemma2"), "soft-capped"), (family("bloom"), "ALiBi"), (family("mpt"), "ALiBi"),
-    (family("falcon"), "ALiBi"), (family("opt"), "attention mask"), (family("gpt_neo"), "gpt_neo"),
-    (family("mistral", sliding_window=8), "sliding attention window (8)"),
-    (family("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding_attention"),
+    (family("bloom"), "ALiBi"), (family("mpt"), "ALiBi"), (family("falcon"), "ALiBi"),
+    (family("gpt_neo"), "gpt_neo"),
 ]
 
 
@@ -145,15 +145,15 @@ def test_default_config_trains_packed_and_matches_stock(tokenizer, dataset, tmp_
 
 
 def test_default_config_falls_back_on_an_unsupported_model(tokenizer, tmp_path):
-    """The defaults on a model the packed layout cannot express exactly (Gemma 2: soft-capped scores): one line naming
-    why, padded rows (with pruning off, TRL's own forward), stock's numbers, and training runs."""
+    """The defaults on a model the packed layout cannot express exactly (Bloom: ALiBi in its own attention module): one
+    line naming why, padded rows (with pruning off, TRL's own forward), stock's numbers, and training runs."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stock, pruned = pair_of_trainers(family("gemma2"), tokenizer, tmp_path)
+        stock, pruned = pair_of_trainers(family("bloom"), tokenizer, tmp_path)
     assert pruned.args.share_prompt and pruned.args.padding_free  # the defaults
     messages = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(messages) == 1 and "padding_free and share_prompt ignored" in messages[0], messages
-    assert "soft-capped" in messages[0] and "\n" not in messages[0]
+    assert "ALiBi" in messages[0] and "\n" not in messages[0]
     assert not pruned._packed and pruned._share_backend is None
     assert_exact(stock, pruned)
     pruned.train()

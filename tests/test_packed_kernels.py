@@ -130,8 +130,10 @@ def test_transformers_names_the_packed_attention_relies_on():
     assert {"sdpa", "flash_attention_2"} <= set(ALL_ATTENTION_FUNCTIONS) and "eager" not in ALL_ATTENTION_FUNCTIONS
     assert {"sdpa", "eager", "flash_attention_2"} <= set(ALL_MASK_ATTENTION_FUNCTIONS)
     assert ALL_ATTENTION_FUNCTIONS[attention.PACKED] is attention.packed_attention
-    for model_type in attention.EXACT_FAMILIES:
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for model_type in attention.EXACT_FAMILIES:  # `_users_attention`'s eager fallback, in each model's own file
+        module = importlib.import_module(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]).__module__)
         assert callable(module.eager_attention_forward), model_type
     config = transformers.LlamaConfig()
     config._attn_implementation = attention.PACKED

@@ -190,8 +190,8 @@ class PrunedDPOTrainer(DPOTrainer):
         models = [m.get_base_model() if is_peft_model(m) else m for m in models]
         verdicts = [attention.packed_verdict(model) for model in models]
         reason = next((v for v in verdicts if v not in (None, attention.CHECK)), None)
-        if self.aux_loss_enabled:  # stock's router loss counts every padded row's tokens; a packed row counts a shared
-            reason = "the MoE router auxiliary loss needs the padded batch"  # prompt once
+        if self.aux_loss_enabled and not reason:  # stock's router loss counts every padded row's tokens; a packed row
+            reason = "the MoE router auxiliary loss needs the padded batch"  # counts a shared prompt once
             if args.pruning_enabled:
                 reason += " (with pruning on, the router loss is the backpropagated rows' own, over their tokens run)"
         if reason:
@@ -212,15 +212,21 @@ class PrunedDPOTrainer(DPOTrainer):
         run = (torch.arange(rows) % (rows // 2)) < pairs
         scored = host.completion_mask[:, 1:].bool() & run[:, None]
         share = torch.full((rows // 2,), self._share_backend is not None)
-        worst, where = torch.zeros((), device=inputs["input_ids"].device), ""
+        worst, where, failure = torch.zeros((), device=inputs["input_ids"].device), "", None
         for model in unproven:
             outputs = []
-            for packed in (False, True):
-                attention.use_packed(self._packed_models, packed)
-                group = plan_group(host, scored, run, share, packed)
-                with no_grad_block(self.model, self.args.gradient_checkpointing_kwargs), compact_lm_head():
-                    outputs.append(run_group(model, group, ("log_probs",), inputs, NON_MODEL_KEYS)[0]["log_probs"])
-            difference = (outputs[1].float() - outputs[0].float()).abs().max()
+            try:
+                for packed in (False, True):
+                    attention.use_packed(self._packed_models, packed)
+                    group = plan_group(host, scored, run, share, packed)
+                    with no_grad_block(self.model, self.args.gradient_checkpointing_kwargs), compact_lm_head():
+                        outputs.append(run_group(model, group, ("log_probs",), inputs, NON_MODEL_KEYS)[0]["log_probs"])
+            except Exception as error:  # noqa: BLE001 - a model the packed forward cannot run: padded, said why
+                failure, where = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", \
+                    model.config.model_type
+                worst = torch.full_like(worst, float("inf"))
+                break
+            difference = (outputs[1].float() - outputs[0].float()).abs().max().nan_to_num(nan=float("inf"))
             if difference > worst:
                 worst, where = difference, model.config.model_type
         worst = self.accelerator.reduce(worst, reduction="max")
@@ -229,9 +235,10 @@ class PrunedDPOTrainer(DPOTrainer):
             return
         self._packed, self._share_backend = False, None
         attention.use_packed(self._packed_models, packed=False)
-        self._stock_reason = _without_savings(self.args, f"its family ({where or 'another rank'}) is not one a test "
-                                              f"proves exact, and on the first batch the packed per-token log-probs "
-                                              f"differ from the padded ones by {float(worst):.2g} (> {tolerance:g})")
+        found = (f"the packed forward failed ({failure})" if failure else
+                 f"the packed per-token log-probs differ from the padded ones by {float(worst):.2g} (> {tolerance:g})")
+        self._stock_reason = _without_savings(self.args, f"its family ({where or 'on another process'}) is not one a "
+                                              f"test proves exact, and on the first batch {found}")
 
     def _layout(self, inputs) -> tuple[bool, bool]:
         """(packed, share) for this batch: a batch with per-token inputs other than token ids runs padded."""

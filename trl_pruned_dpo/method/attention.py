@@ -30,7 +30,7 @@ PACKED = "trl_pruned_dpo_packed"
 PACKING_KWARG = "pruned_dpo_packing"
 
 _users_backend: dict[int, tuple[object, str]] = {}  # id(config) -> (config, the implementation the user loaded)
-_packing_depth = 0  # > 0 inside a packed forward: its mask is never built
+_packings: list = []  # the packed forwards running (innermost last): their masks are never built
 
 
 @dataclass
@@ -71,11 +71,12 @@ FULL = Variant()
 
 class PackedMask:
     """What transformers' mask builders return inside a packed forward, in place of a mask: the layer's sliding window
-    (`local_size`, which `create_sliding_window_causal_mask` passes), None for a causal layer. The model hands it to its
-    attention as `attention_mask`, per layer type, so each layer gets the window stock's own mask would have."""
+    (`local_size`, which `create_sliding_window_causal_mask` passes), None for a causal layer, and the forward's
+    packing. The model hands it to its attention as `attention_mask`, per layer type, so each layer gets the window
+    stock's own mask would have; gradient checkpointing saves it with the layer's inputs, so a replay gets it too."""
 
-    def __init__(self, window: int | None):
-        self.window = window
+    def __init__(self, window: int | None, packing=None):
+        self.window, self.packing = window, packing
 
 
 def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant = FULL, sinks=None):
@@ -196,7 +197,7 @@ def _verify(kernel, heads: int, kv_heads: int, dim: int, device, dtype, variant:
             q, k, v = (x.to(device, precision).requires_grad_() for x in fp32[:3])
             out = fn(q, k, v, packing, dim ** -0.5, variant)
             grads = torch.autograd.grad(out, (q, k, v), fp32[3].to(device, precision))
-        return [x.float().cpu() for x in (out, *grads)]
+        return [x.detach().float().cpu() for x in (out, *grads)]
 
     def error(result):
         return max(float((x - r).abs().max() / r.abs().max().clamp(min=1e-12)) for x, r in zip(result, reference))
@@ -220,7 +221,9 @@ def _verify(kernel, heads: int, kv_heads: int, dim: int, device, dtype, variant:
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query (1, H, T, D), key/value (1, Hkv, T, D) -> ((1, T, H, D), None)."""
     packing = kwargs.pop(PACKING_KWARG, None)
-    if packing is None and _packing_depth:  # a model that drops its kwargs: never run packed and wrong
+    if packing is None and isinstance(attention_mask, PackedMask):  # a layer that passes on its mask, not its kwargs
+        packing = attention_mask.packing
+    if packing is None and _packings:  # a model that drops both: never run packed and wrong
         raise RuntimeError(f"{type(module).__name__} did not pass the packed metadata to its attention")
     if packing is None:  # not a packed forward: the user's own backend, unchanged
         return _users_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -248,8 +251,8 @@ def _users_attention(module):  # eager: each model file's own function
 def _packed_mask(*args, **kwargs):
     """No mask inside a packed forward (the metadata is the mask; the sliding window, if any, rides along as a
     `PackedMask`); the user's backend's mask otherwise."""
-    if _packing_depth:
-        return PackedMask(kwargs.get("local_size"))
+    if _packings:
+        return PackedMask(kwargs.get("local_size"), _packings[-1])
     return ALL_MASK_ATTENTION_FUNCTIONS[_users(kwargs.get("config"))](*args, **kwargs)
 
 
@@ -268,14 +271,14 @@ def use_packed(models, packed: bool = True) -> None:
 
 
 @contextmanager
-def packed_forward():
-    """Marks a packed forward: its attention mask is never built."""
-    global _packing_depth
-    _packing_depth += 1
+def packed_forward(packing: Packing | None = None):
+    """Marks a packed forward: its attention mask is never built; its mask builders return `PackedMask`s carrying
+    `packing` (for models whose layers pass the mask but not their kwargs on to the attention)."""
+    _packings.append(packing)
     try:
         yield
     finally:
-        _packing_depth -= 1
+        _packings.pop()
 
 
 # The families tests/test_exactness_matrix.py proves exact packed against stock DPOTrainer (every setting it runs: share
@@ -284,7 +287,22 @@ def packed_forward():
 # packed only after the trainer's first-batch check (`needs_check`).
 EXACT_FAMILIES: dict[str, str] = {
     "llama": "rotary", "qwen2": "GQA; sliding layers (layer_types)", "qwen3": "QK-norm",
-    "mistral": "sliding window of any width", "gpt_neox": "partial rotary",
+    "mistral": "a sliding window of any width", "ministral": "sliding window", "mixtral": "MoE",
+    "qwen2_moe": "MoE with a shared expert; sliding layers by mask only", "qwen3_moe": "MoE; QK-norm",
+    "deepseek_v3": "MoE; multi-head latent attention", "gpt_oss": "MoE; attention sinks (s_aux); sliding layers",
+    "olmoe": "MoE; QK-norm", "jetmoe": "MoE attention and MLP", "gemma": "scaled embeddings",
+    "gemma2": "soft-capped scores (eager) and logits; sliding layers", "gemma3_text": "sliding layers; QK-norm",
+    "vaultgemma": "soft-capping; sliding layers", "cohere": "parallel block; logit scale",
+    "cohere2": "sliding layers; NoPE full layers", "olmo": "clipped QKV", "olmo2": "QK-norm",
+    "olmo3": "sliding layers; QK-norm", "granite": "residual / attention / logit multipliers",
+    "smollm3": "NoPE layers", "stablelm": "partial rotary", "phi": "partial rotary; parallel block",
+    "phi3": "sliding window", "persimmon": "partial rotary; QK layer-norm", "starcoder2": "sliding window",
+    "nemotron": "partial rotary", "exaone4": "sliding layers; QK-norm", "gpt2": "learned absolute positions",
+    "gptj": "partial interleaved rotary", "codegen": "partial rotary; fused QKV", "biogpt": "learned positions",
+    "gpt_bigcode": "multi-query attention; learned positions", "opt": "positions from the mask in stock",
+    "gpt_neox": "partial rotary", "glm": "partial interleaved rotary", "glm4": "partial rotary; post-norms",
+    "helium": "rotary", "seed_oss": "attention biases", "arcee": "ReLU² MLP", "hunyuan_v1_dense": "QK-norm",
+    "ernie4_5": "interleaved rotary", "bitnet": "ternary linear layers", "diffllama": "differential attention",
 }
 
 # Layers that carry a recurrent or convolutional state across positions: a packed row would carry it from one segment
