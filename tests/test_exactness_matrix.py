@@ -79,6 +79,9 @@ CONFIGS = {
     "bitnet": ("bitnet", {}),
     "diffllama": ("diffllama", {}),
     "jetmoe": ("jetmoe", dict(num_local_experts=4, kv_channels=8, **MOE)),
+    "phimoe": ("phimoe", dict(num_local_experts=4, sliding_window=None, **MOE)),  # router jitter off (random)
+    "granitemoe": ("granitemoe", dict(num_local_experts=4, **MOE)),
+    "granitemoeshared": ("granitemoeshared", dict(num_local_experts=4, shared_intermediate_size=32, **MOE)),
 }
 
 
@@ -89,7 +92,7 @@ def tiny_family(name, tokenizer, **extra):
                                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                         bos_token_id=tokenizer.bos_token_id)
     for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+        if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -204,7 +207,7 @@ def _other(model_type, tokenizer, **kw):
                                         **{"num_hidden_layers": 2, "num_attention_heads": 4, **kw}
                                         if model_type == "falcon" else kw)
     for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+        if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

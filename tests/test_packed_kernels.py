@@ -91,8 +91,9 @@ def test_a_kernel_that_fails_is_refused(on_kernel):
 def test_the_check_tells_lower_right_from_top_left_and_noncausal():
     """Direct: the right semantics pass; top-left alignment and a missing causal mask fail, with GQA 4:2."""
     def adapter(kernel):
-        return lambda q, k, v, p, scale: kernel(q, k, v, p.cu_seq_q, p.cu_seq_k, p.max_q, p.max_k, scale=scale,
-                                                window_size=(-1, 0), enable_gqa=q.size(1) != k.size(1))
+        return lambda q, k, v, p, scale, variant: kernel(q, k, v, p.cu_seq_q, p.cu_seq_k, p.max_q, p.max_k,
+                                                         scale=scale, window_size=(-1, 0),
+                                                         enable_gqa=q.size(1) != k.size(1))
 
     cpu = torch.device("cpu")
     assert attention._verify(adapter(naive_varlen), 4, 2, 8, cpu, torch.float32)

@@ -303,6 +303,8 @@ EXACT_FAMILIES: dict[str, str] = {
     "gpt_neox": "partial rotary", "glm": "partial interleaved rotary", "glm4": "partial rotary; post-norms",
     "helium": "rotary", "seed_oss": "attention biases", "arcee": "ReLU² MLP", "hunyuan_v1_dense": "QK-norm",
     "ernie4_5": "interleaved rotary", "bitnet": "ternary linear layers", "diffllama": "differential attention",
+    "phimoe": "MoE (sparsemixer); sliding window by mask only", "granitemoe": "MoE; multipliers",
+    "granitemoeshared": "MoE with a shared expert",
 }
 
 # Layers that carry a recurrent or convolutional state across positions: a packed row would carry it from one segment
