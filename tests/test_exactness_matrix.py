@@ -18,7 +18,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from trl import DPOConfig, DPOTrainer
 
 from conftest import build_trainer, first_batch, loss_and_grads
-from test_packed import assert_exact, naive_varlen
+from test_packed import assert_exact, naive_varlen, windowed_varlen
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method import attention
@@ -250,20 +250,7 @@ def test_a_kernel_wrong_on_windows_is_refused_for_windows_only(monkeypatch):
 def test_the_window_reaches_the_kernel_in_position_space(monkeypatch):
     """The check passes the window as (window - 1, 0) on a kernel that honours it: each query sees its last `window`
     positions of its own branch, shared keys included."""
-    def honouring(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa=False):
-        left = window_size[0]
-        out, group = torch.zeros_like(q), q.size(1) // k.size(1)
-        for s in range(cu_q.numel() - 1):
-            q0, q1, k0, k1 = (int(x) for x in (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]))
-            pos = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0)
-            j = torch.arange(k1 - k0)[None, :]
-            hidden = (j > pos) | ((pos - j > left) if left >= 0 else torch.zeros_like(j > pos))
-            for h in range(q.size(1)):
-                scores = (q[q0:q1, h] @ k[k0:k1, h // group].T * scale).masked_fill(hidden, float("-inf"))
-                out[q0:q1, h] = scores.softmax(-1) @ v[k0:k1, h // group]
-        return out
-
-    monkeypatch.setattr(attention, "varlen_attn", honouring)
+    monkeypatch.setattr(attention, "varlen_attn", windowed_varlen)
     cpu = torch.device("cpu")
     for window in (1, 3, 16, 200):
         with warnings.catch_warnings():

@@ -230,6 +230,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
                                         **kwargs)
     sinks = kwargs.get("s_aux")
     window = attention_mask.window if isinstance(attention_mask, PackedMask) else None
+    if window is not None and window >= packing.max_k:  # wider than every segment: plain causal (the same kernel)
+        window = None
     variant = Variant(window, kwargs.get("softcap"), sinks is not None)
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     k, v = k.index_select(0, packing.kv_index), v.index_select(0, packing.kv_index)
