@@ -256,3 +256,33 @@ def test_the_window_reaches_the_kernel_in_position_space(monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert attention._verify(attention._torch_varlen, 4, 2, 8, cpu, torch.float32, attention.Variant(window))
+
+
+def test_flash_attn_wrong_on_softcap_is_refused_for_softcap_only(monkeypatch):
+    """flash_attn's varlen function takes `softcap` (Gemma 2) and `window_size`: a build that ignores the cap is
+    refused for soft-capped layers and still used for the others; each variant reaches it as the model asked."""
+    import sys
+    import types
+
+    seen = []
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), softcap=0.0):
+        assert causal
+        seen.append((window_size, softcap))
+        return windowed_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=softmax_scale, window_size=(window_size[0], 0),
+                               enable_gqa=q.size(1) != k.size(1))  # the cap ignored
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setattr(attention, "FLASH_ATTN_INSTALLED", True)
+    monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
+    monkeypatch.setattr(attention, "_VERIFIED", {})
+    q, k = torch.randn(6, 4, 8), torch.randn(9, 2, 8)
+    flash = attention._flash_attn_varlen
+    assert attention._kernel(q, k, "flash_attention_2", attention.Variant(window=5)) is flash
+    with pytest.warns(UserWarning, match=r"flash_attn_varlen disagrees .*softcap=5.0"):
+        assert attention._kernel(q, k, "flash_attention_2", attention.Variant(softcap=5.0)) is None
+    assert attention._kernel(q, k, "flash_attention_2") is flash
+    assert ((4, 0), 0.0) in seen and ((-1, -1), 5.0) in seen  # window (left = window - 1) and the cap, as asked
