@@ -8,8 +8,13 @@ disagrees, SDPA per segment over the same metadata: cost Σ queries × keys, nev
 kwarg, so gradient checkpointing's replay of a layer sees it. `use_packed` names `PACKED` in the configs until undone
 (at the trainer's next stock forward, or the end of `train()`): the replay runs in the backward and reads the config
 then; meanwhile a call without the metadata (generation, a callback) gets the user's own attention and mask.
-Relies on transformers' `config._attn_implementation` and each model file's `eager_attention_forward` (pinned by
-tests/test_packed_kernels.py).
+Windows, soft-capping, sinks (docs/method.md, "Windows, soft-capping, sinks, families"): inside a packed forward the
+mask builders return a `PackedMask` (the layer's sliding window, as stock's mask would apply it, and the metadata), so
+each layer type gets its own window; `softcap` and `s_aux` arrive as the model passes them. The kernel check is keyed
+per variant. Which models pack: `packed_verdict` (the tested table `EXACT_FAMILIES`, properties of the config and the
+model file; any other family is checked by the trainer on its first batch).
+Relies on transformers' `config._attn_implementation`, the mask builders' `local_size` and each model file's
+`eager_attention_forward` (pinned by tests/test_packed_kernels.py and the exactness matrix).
 """
 
 import dataclasses
