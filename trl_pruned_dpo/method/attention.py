@@ -329,7 +329,8 @@ CHECK = "check"  # `packed_verdict`: run packed only after the first-batch check
 def _recurrent(config) -> str | None:
     other = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS)
     if config.model_type in RECURRENT_FAMILIES or other:
-        return f"its layers keep a recurrent or convolutional state ({', '.join(other) or config.model_type})"
+        return f"its layers keep a recurrent or convolutional state ({config.model_type}{': ' if other else ''}" \
+               f"{', '.join(other)})"
     return None
 
 
