@@ -243,6 +243,9 @@ class PrunedDPOTrainer(DPOTrainer):
     def _layout(self, inputs) -> tuple[bool, bool]:
         """(packed, share) for this batch: a batch with per-token inputs other than token ids runs padded."""
         packed = self._packed and not (set(inputs) - _SHAREABLE_KEYS)
+        if packed and self._unproven:  # the first packed batch of a family outside the tested table (also when it is
+            self._check_packed(inputs)  # the reference precompute's)
+            packed = self._packed
         if packed:  # kept until the trainer's next stock forward: checkpointing recomputes in the backward
             attention.use_packed(self._packed_models)
         return packed, packed and self._share_backend is not None
@@ -298,8 +301,6 @@ class PrunedDPOTrainer(DPOTrainer):
         Plan on the host (masks, layout), then execute: the backpropagated forward first, then every no-grad forward
         (frozen branches, reference) in one block, so gradient checkpointing is toggled at most once per micro-step.
         """
-        if self._unproven and self._packed and not (set(inputs) - _SHAREABLE_KEYS):
-            self._check_packed(inputs)
         masks = _masks_to(self._draw_masks(inputs), "cpu")  # the host copy the plan reads
         self.last_prune_stats = {}
         response = inputs["completion_mask"][:, 1:].bool()
