@@ -286,3 +286,21 @@ def test_flash_attn_wrong_on_softcap_is_refused_for_softcap_only(monkeypatch):
         assert attention._kernel(q, k, "flash_attention_2", attention.Variant(softcap=5.0)) is None
     assert attention._kernel(q, k, "flash_attention_2") is flash
     assert ((4, 0), 0.0) in seen and ((-1, -1), 5.0) in seen  # window (left = window - 1) and the cap, as asked
+
+
+def test_an_unknown_family_whose_packed_forward_fails_falls_back_in_one_line(tokenizer, tmp_path, monkeypatch):
+    """A packed forward that raises on the first batch (as a model whose layers drop both the mask and the kwargs
+    does): one line naming the error, stock's numbers, no crash."""
+    monkeypatch.delitem(attention.EXACT_FAMILIES, "qwen3")
+
+    def dropped(*args, **kwargs):
+        raise RuntimeError("Qwen3Attention did not pass the packed metadata to its attention")
+
+    monkeypatch.setattr(attention, "_per_segment", dropped)
+    stock, pruned = trainers(tiny_family("qwen3", tokenizer), tokenizer, tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_exact(stock, pruned)
+    lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
+    assert len(lines) == 1 and "packed forward failed (RuntimeError: Qwen3Attention did not pass" in lines[0], lines
+    assert not pruned._packed and not pruned._uses_pruned_forward
