@@ -118,11 +118,11 @@ def _eager(q, k, v, visible, scaling, softcap, sinks):
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is None:
-        return scores.softmax(-1) @ v
+    if sinks is None:  # softmax in float32, as Gemma 2's eager attention
+        return scores.softmax(-1, dtype=torch.float32).to(v.dtype) @ v
     logits = torch.cat([scores, sinks.reshape(-1, 1, 1).expand(-1, scores.size(1), 1).to(scores.dtype)], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
-    return logits.softmax(-1)[..., :-1] @ v
+    return logits.softmax(-1, dtype=torch.float32)[..., :-1].to(v.dtype) @ v
 
 
 def _left(variant: Variant) -> int:  # the varlen kernels' left window: keys up to window - 1 positions back
