@@ -304,3 +304,14 @@ def test_an_unknown_family_whose_packed_forward_fails_falls_back_in_one_line(tok
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(lines) == 1 and "packed forward failed (RuntimeError: Qwen3Attention did not pass" in lines[0], lines
     assert not pruned._packed and not pruned._uses_pruned_forward
+
+
+def test_the_verdict_reads_the_model_file_through_a_wrapper_subclass(tokenizer):
+    """FSDP2 swaps a model's class for a subclass defined in a torch module: the verdict still reads the model's own
+    file (Llama: packed), and a family whose file never calls the interface still falls back (Bloom)."""
+    for model, packs in ((tiny_family("llama", tokenizer), True), (_other("bloom", tokenizer, n_layer=2, n_head=4),
+                                                                     False)):
+        wrapped = type("FSDP" + type(model).__name__, (type(model),), {"__module__": "torch.distributed.fsdp"})
+        model.__class__ = wrapped
+        assert attention._routes_attention(model) == packs
+        assert (attention.packed_verdict(model) is None) == packs

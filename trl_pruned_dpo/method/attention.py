@@ -335,12 +335,23 @@ def _recurrent(config) -> str | None:
 
 
 def _routes_attention(model) -> bool:
-    """Whether the model file calls transformers' attention interface (where the packed attention plugs in)."""
-    try:
-        source = inspect.getsource(sys.modules[type(model).__module__])
-    except (OSError, TypeError, KeyError):  # no source to read: the first-batch check decides
-        return True
-    return "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
+    """Whether the model file calls transformers' attention interface (where the packed attention plugs in): the files
+    of the model's classes (FSDP2 subclasses the model's class in a torch module); none readable: the first-batch
+    check decides."""
+    from transformers import PreTrainedModel
+
+    read = False
+    for cls in type(model).__mro__:
+        if not issubclass(cls, PreTrainedModel) or cls is PreTrainedModel:  # its own file names the interface
+            continue
+        try:
+            source = inspect.getsource(sys.modules[cls.__module__])
+        except (OSError, TypeError, KeyError):
+            continue
+        read = True
+        if "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source:
+            return True
+    return not read
 
 
 def packed_verdict(model) -> str | None:
