@@ -17,6 +17,7 @@ build (no registry, wrong checksum, no `gguf`) are tested with mocks, without a 
 """
 
 import copy
+import gc
 import io
 import subprocess
 import warnings
@@ -81,15 +82,21 @@ def short_pairs(n=PAIRS, most_words=18):
 
 
 def trainer(cls, models, tokenizer, data, **config):
+    """A trainer on the shared policy (one 0.5 GB copy for the whole module: each test's trainer takes it in turn)."""
     reference, policy = models
+    policy.gradient_checkpointing_disable()  # a previous trainer may have turned it on
     config_class = PrunedDPOConfig if cls is PrunedDPOTrainer else DPOConfig
     args = config_class(output_dir="unused", **{**ARGS, **config})
-    return cls(model=copy.deepcopy(policy), ref_model=reference, args=args, train_dataset=data,
-               processing_class=tokenizer)
+    return cls(model=policy, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer)
 
 
 def step(trainer_, n=PAIRS):
-    return loss_and_grads(trainer_, first_batch(trainer_, n))
+    """Loss and gradients of one step on the first `n` pairs; the trainer's model is left without gradients."""
+    try:
+        return loss_and_grads(trainer_, first_batch(trainer_, n))
+    finally:
+        trainer_.model.zero_grad(set_to_none=True)
+        gc.collect()
 
 
 def assert_exact(stock, plugin):
@@ -161,7 +168,11 @@ def test_lora_exact_against_stock(models, tokenizer):
             for name, p in built.model.named_parameters():
                 if "lora_B" in name:
                     p.add_(0.01 * torch.randn(p.shape, generator=g))
-        return step(built)
+        try:
+            return step(built)
+        finally:
+            del built
+            gc.collect()
 
     assert_exact(lora_step(DPOTrainer), lora_step(PrunedDPOTrainer))
 
@@ -210,7 +221,8 @@ def test_rows_with_different_prompt_tokens_run_unshared_exactly_and_warn(models,
     different prompt tokens in its two rows. The plan shares only the tokens the rows really have in common, so the
     step stays exact; the data check says so before training."""
     data = short_pairs()
-    lengths = [len(tokenizer.apply_chat_template(r["prompt"] + r["chosen"])) for r in data]
+    lengths = [len(tokenizer.apply_chat_template(r["prompt"] + r["chosen"], return_dict=True)["input_ids"])
+               for r in data]
     config = dict(gradient_checkpointing=False, truncation_mode="keep_end", max_length=min(lengths) - 6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

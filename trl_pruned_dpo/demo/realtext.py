@@ -5,7 +5,7 @@
 conversational format (``prompt``, ``chosen``, ``rejected`` as lists of messages; TRL applies the model's chat template):
 
 - prompt: one user message asking about a section by its title, in one of a few phrasings;
-- chosen: the opening of that section (its first 1 to 3 sentences, capped near 60 words: ragged lengths);
+- chosen: the opening of that section (its first 1 to 3 sentences, capped near 40 words: ragged lengths);
 - rejected, half the pairs, *independent*: the opening of another section, of a similar length (so length is no cue);
 - rejected, the other half, *near-copy*: the chosen answer (then 2 to 3 sentences) with one of its sentences (uniform
   over them, so the common prefix of the two answers is short or long) replaced by a sentence from another section
@@ -29,7 +29,7 @@ QUESTIONS = (
     "Give me a short description of {title} from the Python docs.",
 )
 HELD_OUT_SHARE = 0.25  # of the sections
-MAX_WORDS = 60
+MAX_WORDS = 40
 _TITLE_RULE = re.compile(r"[*=\-~^]{3,}")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“*(])")
 
