@@ -20,6 +20,7 @@ import copy
 import gc
 import io
 import subprocess
+import tempfile
 import warnings
 import zipfile
 
@@ -36,6 +37,7 @@ from trl_pruned_dpo.method.plan import HostBatch, common_tokens
 
 MODEL = "builtin:smollm2-135m-instruct"
 PAIRS = 4
+SCRATCH = tempfile.mkdtemp(prefix="real-model-")  # the trainers' output_dir (nothing is saved: save_strategy "no")
 ARGS = dict(per_device_train_batch_size=PAIRS, max_steps=1, learning_rate=1e-5, report_to="none", bf16=False,
             logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, beta=0.1)
 
@@ -86,7 +88,7 @@ def trainer(cls, models, tokenizer, data, **config):
     reference, policy = models
     policy.gradient_checkpointing_disable()  # a previous trainer may have turned it on
     config_class = PrunedDPOConfig if cls is PrunedDPOTrainer else DPOConfig
-    args = config_class(output_dir="unused", **{**ARGS, **config})
+    args = config_class(output_dir=SCRATCH, **{**ARGS, **config})
     return cls(model=policy, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer)
 
 
@@ -158,7 +160,7 @@ def test_lora_exact_against_stock(models, tokenizer):
 
     def lora_step(cls, **config):
         config_class = PrunedDPOConfig if cls is PrunedDPOTrainer else DPOConfig
-        args = config_class(output_dir="unused", **{**ARGS, "gradient_checkpointing": True, **config})
+        args = config_class(output_dir=SCRATCH, **{**ARGS, "gradient_checkpointing": True, **config})
         torch.manual_seed(0)  # the same adapter init
         lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
         built = cls(model=copy.deepcopy(reference), args=args, train_dataset=data, processing_class=tokenizer,

@@ -109,7 +109,7 @@ def _pair(title: str, own: tuple[str, ...], others: list[tuple[str, tuple[str, .
             "rejected": [{"role": "assistant", "content": " ".join(rejected)}]}
 
 
-def make_splits(seed: int = 0, questions_train: int = len(QUESTIONS), questions_test: int = 3) -> DatasetDict:
+def make_splits(seed: int = 0, questions_train: int = len(QUESTIONS), questions_test: int = 2) -> DatasetDict:
     """Train and held-out test pairs: the sections are split (HELD_OUT_SHARE held out); each train section gives
     `questions_train` pairs (one per phrasing), each held-out one `questions_test`; near-copy and independent
     rejections alternate. The rejected text of either split comes from sections of the same split."""

@@ -189,7 +189,7 @@ def load_builtin(name: str, seed: int = 0) -> DatasetDict:
     """The dataset named ``builtin:<task>`` (sort, add, reverse, mix): 4096 train and up to 256 held-out test pairs
     with default sizes, generated in memory (well under a second) from `seed`; or a named variant
     (``builtin:sort-short``: 2048 train pairs of 1 to 12 numbers, 969 held-out pairs); or ``builtin:python-docs``,
-    real text from the Python documentation as chat messages (realtext.py: 484 train and 120 held-out pairs)."""
+    real text from the Python documentation as chat messages (realtext.py: 484 train and 80 held-out pairs)."""
     task = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
     if task == REAL_TEXT:
         from .realtext import make_splits as real_text_splits
