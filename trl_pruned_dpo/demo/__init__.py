@@ -7,7 +7,8 @@
 - `tasks.make_dataset(task, n, seed)`, `tasks.is_correct(task, prompt, completion)`, `tasks.load_builtin(name)`;
   ``builtin:python-docs`` is real text from the Python documentation, as chat messages (realtext.py).
 
-Nothing here touches the network, but for the one-time download of a pretrained built-in (pip, the package registry). See docs/cli.md ("The built-in demo").
+Nothing here touches the network, but the one-time download of a pretrained built-in (pip, the package registry).
+See docs/cli.md ("The built-in demo", "A real model, offline").
 """
 
 from .model import BUILTIN_MODELS, build_model, cache_dir, is_builtin, resolve_model
