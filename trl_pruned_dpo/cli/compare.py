@@ -23,7 +23,7 @@ from .data import apply_thread_count, check_splits, go_offline, load_data, resol
 
 
 class _HeldOutCurve(TrainerCallback):
-    """Records (step, training seconds, held-out reward accuracy) at each evaluation. Training time is the optimizer
+    """Records (step, training CPU seconds, held-out reward accuracy) at each evaluation. Training time is the optimizer
     steps' own, from each step's start to its end (evaluation, logging and saving excluded), on two clocks: wall time
     and this process's CPU time (user + system, all threads), which a busy shared machine disturbs much less."""
 
@@ -42,7 +42,7 @@ class _HeldOutCurve(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if not metrics or "eval_rewards/accuracies" not in metrics:
             return
-        self.points.append((state.global_step, self.wall, float(metrics["eval_rewards/accuracies"])))
+        self.points.append((state.global_step, self.cpu, float(metrics["eval_rewards/accuracies"])))
 
 
 def _stock_config(pruned_args):
@@ -98,7 +98,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> bool:
-    """Both held-out curves, against step and against training time; False if matplotlib is missing."""
+    """Both held-out curves, against step and against training CPU time; False if matplotlib is missing."""
     try:
         import matplotlib
 
@@ -114,7 +114,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     for axis in axes:  # a coin flip; step 0 itself scores 0 (policy = reference: every margin is a tie)
         axis.axhline(0.5, color="grey", linestyle="--", linewidth=1)
     axes[0].set(xlabel="step", ylabel="held-out reward accuracy", ylim=(0.4, 1.0), xlim=(0, None))
-    axes[1].set(xlabel="training time (s, evaluation excluded)")
+    axes[1].set(xlabel="training CPU time (s, evaluation excluded)")
     figure.suptitle(speed_line(rows).replace(", held-out", ",\nheld-out"), fontsize=8)
     axes[0].legend(loc="lower right")
     for axis in axes:
