@@ -265,7 +265,8 @@ def test_extra_memory_is_at_most_one_gradient(tokenizer, far_dataset, tmp_path, 
     peaks = {}
     for name in ("auto", "unmeasured"):
         if name == "unmeasured":
-            monkeypatch.setattr(auto.AutoKeepProbs, "_hook", lambda self, params: None)
+            monkeypatch.setattr(auto.AutoKeepProbs, "_hook", lambda self, params: None)  # the engine path's hooks
+            monkeypatch.setattr(auto.AutoKeepProbs, "_read_pair", lambda self, step: None)  # the B / 2B buffer
             monkeypatch.setattr(auto.AutoKeepProbs, "_fold", lambda self: None)  # no statistics: it never decides
         trainer = _train(tokenizer, far_dataset, tmp_path / name, **common)
         peaks[name] = _peak_bytes(trainer)
@@ -380,8 +381,8 @@ def test_one_process_pairs_subtract_the_mean_gradients_drift(monkeypatch, drift)
         variance = trace * (1 + extra if probs.kind(step) == "branch" else 1) / b / dim
         grads[step] = start + step * step_drift + torch.randn(dim, generator=gen, dtype=torch.float64) * variance ** 0.5
         near = grads.get(step - 1 if step % 2 else step - 2)  # odd: the pair's first step; even: the previous pair's
-        dot = 0.0 if near is None else float(grads[step] @ near)
-        totals = torch.tensor([float(grads[step] @ grads[step]), b, 1.0, dot, 0.5], dtype=torch.float64)
+        diff = 0.0 if near is None else float((grads[step] - near) @ (grads[step] - near))
+        totals = torch.tensor([float(grads[step] @ grads[step]), b, 1.0, diff, 0.5], dtype=torch.float64)
         probs._pending = (step, totals, 1, None)
         probs._fold()
     r = probs._bounds(0.0, ["branch"])[1]["branch"]
@@ -400,14 +401,14 @@ def test_the_pair_after_a_checkpoint_reads_the_drift_before_it():
     gives none."""
     paired = noise.PairedSteps()
     out = []
-    for step, (small2, dot) in enumerate([(4.0, 0.0), (4.0, 1.0), (4.0, -0.5), (4.0, 1.0)]):  # even: the link's dot
-        out.append(paired.add(step, "exact", small2, dot, 8))
+    for step, (small2, diff2) in enumerate([(4.0, 0.0), (4.0, 6.0), (4.0, 9.0), (4.0, 6.0)]):  # even: the link's
+        out.append(paired.add(step, "exact", small2, diff2, 8))
     (_, first), (_, second) = out[1], out[3]  # within 6 each, link 9: |d|² = (9 - 6) / 3 = 1, b |d|² / 2 = 4
     assert first is None and second == pytest.approx(4.0)
     resumed = paired.split()
     assert resumed.carried == second and paired.split().carried == second  # idempotent: state_dict may run twice
     resumed.add(4, "exact", 4.0, 0.0, 8)
-    assert resumed.add(5, "exact", 4.0, 1.0, 8)[1] == second
+    assert resumed.add(5, "exact", 4.0, 6.0, 8)[1] == second
 
 
 def test_two_probes_that_agree_by_chance_are_read_as_noisy_as_the_exact_blocks():

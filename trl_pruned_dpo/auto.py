@@ -11,6 +11,8 @@ import math
 import torch
 from transformers import TrainerCallback
 
+from .metrics import log_run_mean
+from .reference import host_batch
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
     MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, choose, extra_noise,
@@ -32,7 +34,8 @@ class AutoKeepProbs(TrainerCallback):
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.single = args.gradient_accumulation_steps * max(args.world_size, 1) == 1  # the B / 2B path
         self.floor = None if "robust" in args.loss_type else 0.0  # the other losses are >= 0 (A3)
-        self._hooks, self._hooked, self._size, self._buffer, self._clip = [], set(), 0, None, None
+        self._hooks, self._hooked, self._buffer, self._parts, self._clip = [], set(), None, None, None
+        self.prunes_branches = True  # whether this step's draw can drop a branch (set in `options`)
         self.load_state_dict(None)
 
     def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume (the B / 2B buffer
@@ -45,7 +48,7 @@ class AutoKeepProbs(TrainerCallback):
     def load_state_dict(self, state):
         state, self._pending = state or {}, None
         self._paired = PairedSteps(state.get("drift"))
-        self._small, self._dot, self._pairs, self._work, self._buffered, self._held = 0, 0, 0, 0, False, None
+        self._small, self._diff, self._pairs, self._work, self._buffered, self._held = 0, 0, 0, 0, False, None
         # _buffered: this step goes through the B / 2B buffer (set in `options`); _held: the even step it holds
         if "probes" not in state:  # an earlier estimator's statistics: measured anew
             state = {key: value for key, value in state.items() if key != "sums"}
@@ -76,24 +79,31 @@ class AutoKeepProbs(TrainerCallback):
         kind = self.kind(step)
         self._buffered = self.single and kind != "choice"  # this step's gradient goes through the B / 2B buffer
         branch, position = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}.get(kind, self.choice[:2])
-        self._pairs, options = self._pairs + inputs["input_ids"].size(0) // 2, dict(base_options)
-        if self.args.branch_keep_prob == "auto":
-            overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"], inputs.get("attention_mask"))
-            options["branch_keep_prob"] = per_pair_branch_probs(overlap, float(branch))
+        pairs, options = inputs["input_ids"].size(0) // 2, dict(base_options)
+        self._pairs, self.prunes_branches = self._pairs + pairs, float(branch) < 1  # rank-identical (trainer: the plan
+        if self.args.branch_keep_prob == "auto":  # runs no frozen group at 1); per pair below 1: near-copies keep both
+            host = host_batch(inputs)  # the batch's host copy: no device read
+            options["branch_keep_prob"] = per_pair_branch_probs(pair_overlap(
+                host.input_ids, host.completion_mask, host.attention_mask), float(branch)) if self.prunes_branches else 1.0
         if self.args.position_keep_prob == "auto":
             options["position_keep_prob"] = float(position)
-        logged = trainer._metrics["train"]
-        logged["prune/branch_keep_prob"].append(float(torch.as_tensor(options["branch_keep_prob"]).float().mean()))
-        logged["prune/position_keep_prob"].append(float(options["position_keep_prob"]))
-        logged["prune/auto_b_simple"].append(min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
+        kept = options["branch_keep_prob"]  # the run's values, reduced over ranks at the logging step (metrics.py)
+        log_run_mean(trainer, "prune/branch_keep_prob", float(kept.sum()) if torch.is_tensor(kept) else kept * pairs,
+                     pairs)
+        log_run_mean(trainer, "prune/position_keep_prob", float(options["position_keep_prob"]))
+        log_run_mean(trainer, "prune/auto_b_simple", min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
         return options
 
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model
-        self._hook(p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh"))
-        if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):  # FSDP2: hook its unsharded parameters, which
-            self._hooks.append(model.register_forward_hook(lambda *_: self._hook(  # exist from the first forward on
-                fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")
+        params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh")]
+        if self.single:  # B / 2B: the step's gradient is the micro-batch's; `.grad` is read once, at the optimizer step
+            self._params = params
+        else:  # the engine path: each micro-batch's local gradient, before accumulation and reduction
+            self._hook(params)
+        if not self.single and any(hasattr(m, "_get_fsdp_state") for m in model.modules()):  # FSDP2: hook its
+            self._hooks.append(model.register_forward_hook(lambda *_: self._hook(  # unsharded parameters, which exist
+                fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")  # from the first forward
                 for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", [])
                 if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad)))
         accelerator, clip = self.trainer.accelerator, self.trainer.accelerator.clip_grad_norm_
@@ -104,21 +114,26 @@ class AutoKeepProbs(TrainerCallback):
         for p in params:
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
-                self._hooks.append(p.register_hook(lambda g, o=self._size: self._on_grad(g, o)))
-                self._size += p.numel()
+                self._hooks.append(p.register_hook(self._on_grad))
 
-    def _on_grad(self, grad, offset):
+    def _on_grad(self, grad):
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
-        grad, step = grad.detach(), self.trainer.state.global_step  # (no copy of the gradient, whatever its layout)
-        self._small = self._small + torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        if self._buffered:  # the first step of a pair keeps its gradient for the second (set once a step, in options)
-            if self._buffer is None:
-                self._buffer = torch.empty(self._size, dtype=grad.dtype, device=grad.device)
-            part = self._buffer[offset:offset + grad.numel()].view(grad.shape)
-            if self._held in (step - 1, step - 2):  # odd: with its pair's first step; even: with the previous pair's
-                self._dot = self._dot + torch.tensordot(grad.float(), part.float(), grad.dim())  # (the link, Eq. A4)
-            if step % 2 == 0:
-                part.copy_(grad)
+        self._small = self._small + torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+
+    def _read_pair(self, step: int):
+        """B / 2B, at the optimizer step, fused over the parameters: |g_(t-1) - g_t|² on a pair's second step, the
+        link |g_(t-2) - g_t|² on a first step (Eq. A4), from the one buffer; a first step's gradient kept in it."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]  # (unused: 0)
+        if self._buffer is None:
+            self._buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+            self._parts = [x.view(g.shape) for x, g in zip(self._buffer.split([g.numel() for g in grads]), grads)]
+        if self._held in (step - 1, step - 2):
+            torch._foreach_sub_(self._parts, grads)
+            self._diff = torch.stack(torch._foreach_norm(self._parts, dtype=torch.float32)).square().sum()
+            if step % 2:  # the pair's first gradient back: the next pair's first step links to it
+                torch._foreach_add_(self._parts, grads)
+        if step % 2 == 0:
+            torch._foreach_copy_(self._parts, grads)
 
     def on_substep_end(self, args, state, control, **kwargs):
         stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units: forward 1, backward 2
@@ -128,27 +143,31 @@ class AutoKeepProbs(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """One all-reduce of five scalars on every rank, every step (no sync here); read at the next decision."""
         self.on_substep_end(args, state, control)
+        if self.single:  # one micro-batch, one process: the pre-clip norm is its own gradient's
+            self._small = self._clip ** 2 if self._clip is not None else None
+            if self._buffered:
+                self._read_pair(state.global_step)
         trainer, device = self.trainer, self.trainer.accelerator.device
         accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
         local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
-                             for x in (self._small, self._pairs, self._work, self._dot, trainer._step_loss)])
+                             for x in (self._small, self._pairs, self._work, self._diff, trainer._step_loss)])
         local[0] *= accumulation ** 2
         clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
         self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
                          accumulation * trainer.accelerator.num_processes, clip)
         self._held = state.global_step if self._buffered and state.global_step % 2 == 0 else self._held
-        self._small, self._dot, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
+        self._small, self._diff, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
 
     def on_train_end(self, args, state, control, **kwargs):
         [handle.remove() for handle in self._hooks]
-        self._hooks, self._hooked, self._size, self._buffer = self._restore() or [], set(), 0, None
+        self._hooks, self._hooked, self._buffer, self._parts = self._restore() or [], set(), None, None
 
     def _fold(self):
         """The last step's norms into the running sums: per-step estimates of tr Σ (per kind) and |G|² (exact)."""
         if self._pending is None:
             return
         (step, totals, micro, clip), self._pending = self._pending, None
-        (small2, pairs, work, dot, loss), kind, sizes, drift = totals.tolist(), self.kind(step), None, 0.0
+        (small2, pairs, work, diff, loss), kind, sizes, drift = totals.tolist(), self.kind(step), None, 0.0
         self.curve.add(step, loss / (micro or 1))  # every kind of step: the loss's value is exact or unbiased
         if kind == "choice":
             return
@@ -156,7 +175,7 @@ class AutoKeepProbs(TrainerCallback):
         if not self.single and clip is not None:
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
         elif self.single:  # B and 2B pairs, and the drift between their two steps (None: not measured)
-            sizes, drift = self._paired.add(step, kind, small2, dot, pairs)
+            sizes, drift = self._paired.add(step, kind, small2, diff, pairs)
         if sizes is None or drift is None:  # B / 2B: a pair's first step, or a pair without its link
             return
         raw, raw_norm2 = trace_and_norm2(*sizes)  # B / 2B: b |g1 - g2|² / 2 = tr Σ + drift (A4)
