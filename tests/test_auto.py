@@ -240,6 +240,42 @@ def test_resume_reproduces_the_masks(tokenizer, far_dataset, tmp_path, case):
     assert all(sums[k] == pytest.approx(v) for k, v in trainer._auto_probs.stats.sums.items())
 
 
+def test_one_process_reads_the_unclipped_gradients(tokenizer, far_dataset, tmp_path):
+    """The B / 2B path reads `.grad` once a step, fused, instead of per-parameter hooks: what it sends is |g_t|² and
+    |g_t - g_(t-1)|² (a pair's second step) or the link |g_t - g_(t-2)|² (a first step) of the raw gradients, before
+    clipping. Clipping hard here (max_grad_norm 1e-4) makes a read after the clip differ by orders of magnitude."""
+    trainer = _train(tokenizer, far_dataset, tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                     max_steps=8, max_grad_norm=1e-4)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    raw, sent, probs = {}, {}, trainer._auto_probs
+    def keep(i, grad):  # a parameter's gradient may arrive in pieces: summed, as `.grad` sums them
+        parts = raw.setdefault(trainer.state.global_step, {})
+        parts[i] = grad.flatten().double() + parts.get(i, 0.0)
+
+    for i, p in enumerate(params):  # the raw gradient of each step, in parameter order
+        p.register_hook(lambda g, i=i: keep(i, g))
+    fold = probs._fold
+
+    def recording():
+        if probs._pending is not None:
+            sent[probs._pending[0]] = probs._pending[1].tolist()
+        fold()
+
+    probs._fold = recording
+    trainer.train()
+    recording()
+    grads = {step: torch.cat([parts[i] for i in range(len(params))]) for step, parts in raw.items()}
+    checked = 0
+    for step, (small2, _, _, diff2, _) in sent.items():
+        assert small2 == pytest.approx(float(grads[step] @ grads[step]), rel=1e-4), step
+        other = step - 1 if step % 2 else step - 2
+        if probs.kind(step) != "choice" and probs.kind(other) == probs.kind(step) and other >= 0:
+            delta = grads[step] - grads[other]
+            assert diff2 == pytest.approx(float(delta @ delta), rel=1e-3), step
+            checked += 1
+    assert checked >= 5 and min(v[0] for v in sent.values()) > 1e4 * 1e-4 ** 2  # every step clipped, hard
+
+
 def _peak_bytes(trainer) -> int:
     """Peak of CPU tensor memory during `trainer.train()`, from the profiler's allocation and free events in order."""
     from torch.profiler import ProfilerActivity, profile

@@ -97,7 +97,7 @@ class AutoKeepProbs(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model
         params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh")]
-        if self.single:  # B / 2B: the step's gradient is the micro-batch's; `.grad` is read once, at the optimizer step
+        if self.single:  # B / 2B: the step's gradient is the micro-batch's: `.grad`, read once, before clipping
             self._params = params
         else:  # the engine path: each micro-batch's local gradient, before accumulation and reduction
             self._hook(params)
@@ -107,8 +107,14 @@ class AutoKeepProbs(TrainerCallback):
                 for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", [])
                 if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad)))
         accelerator, clip = self.trainer.accelerator, self.trainer.accelerator.clip_grad_norm_
-        accelerator.clip_grad_norm_ = lambda *a, **k: setattr(self, "_clip", clip(*a, **k)) or self._clip
-        self._restore = lambda: setattr(accelerator, "clip_grad_norm_", clip)  # pre-clip, reduced, accumulated
+
+        def measured_clip(*a, **k):  # once a step (at max_norm inf without clipping): B / 2B reads the gradient first
+            if self.single and self._buffered:
+                self._read_pair(self.trainer.state.global_step)
+            self._clip = clip(*a, **k)  # pre-clip, reduced, accumulated
+            return self._clip
+
+        accelerator.clip_grad_norm_, self._restore = measured_clip, lambda: setattr(accelerator, "clip_grad_norm_", clip)
 
     def _hook(self, params):
         for p in params:
@@ -121,7 +127,7 @@ class AutoKeepProbs(TrainerCallback):
         self._small = self._small + torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
 
     def _read_pair(self, step: int):
-        """B / 2B, at the optimizer step, fused over the parameters: |g_(t-1) - g_t|² on a pair's second step, the
+        """B / 2B, before clipping, fused over the parameters: |g_(t-1) - g_t|² on a pair's second step, the
         link |g_(t-2) - g_t|² on a first step (Eq. A4), from the one buffer; a first step's gradient kept in it."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]  # (unused: 0)
         if self._buffer is None:
@@ -145,8 +151,6 @@ class AutoKeepProbs(TrainerCallback):
         self.on_substep_end(args, state, control)
         if self.single:  # one micro-batch, one process: the pre-clip norm is its own gradient's
             self._small = self._clip ** 2 if self._clip is not None else None
-            if self._buffered:
-                self._read_pair(state.global_step)
         trainer, device = self.trainer, self.trainer.accelerator.device
         accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
         local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
