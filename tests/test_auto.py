@@ -390,7 +390,8 @@ def test_probe_units_cancel_the_drift():
         scale, extra = 0.7 ** min(step, 40), 0.8 if probs.kind(step) == "branch" else 0.0
         noisy = lambda x: x * (1 + 0.05 * float(torch.randn((), generator=gen)))  # noqa: E731
         small2, big2 = (scale * (norm2 + trace * (1 + extra) / size) for size in (b, micro * b))
-        totals = torch.tensor([micro * noisy(small2), micro * b, 1.0, 0.0, 0.5], dtype=torch.float64)
+        work = 0.75 if extra else 1.0  # a branch draw saves work (else the family is idle: never probed again)
+        totals = torch.tensor([micro * noisy(small2), micro * b, work, 0.0, 0.5], dtype=torch.float64)
         probs._pending = (step, totals, micro, torch.tensor(noisy(big2)).sqrt())
         probs._fold()
     (_, r), point = probs._bounds(auto.UPPER_Z, ["branch"]), probs._bounds(0.0, ["branch"])[1]["branch"]
@@ -418,7 +419,8 @@ def test_one_process_pairs_subtract_the_mean_gradients_drift(monkeypatch, drift)
         grads[step] = start + step * step_drift + torch.randn(dim, generator=gen, dtype=torch.float64) * variance ** 0.5
         near = grads.get(step - 1 if step % 2 else step - 2)  # odd: the pair's first step; even: the previous pair's
         diff = 0.0 if near is None else float((grads[step] - near) @ (grads[step] - near))
-        totals = torch.tensor([float(grads[step] @ grads[step]), b, 1.0, diff, 0.5], dtype=torch.float64)
+        work = 0.75 if probs.kind(step) == "branch" else 1.0  # a branch draw saves work: the family is not idle
+        totals = torch.tensor([float(grads[step] @ grads[step]), b, work, diff, 0.5], dtype=torch.float64)
         probs._pending = (step, totals, 1, None)
         probs._fold()
     r = probs._bounds(0.0, ["branch"])[1]["branch"]
@@ -509,16 +511,40 @@ def test_loss_curve_bounds_what_pruning_gives_up():
     assert tighter[0] == 0.75  # 1 - 1 / (1 + 1.3 / 3) = 0.30 <= 0.4 < 0.43 at 0.625
 
 
-def test_probed_rarely_where_a_branch_draw_saves_nothing():
-    """Near-copies keep both branches, so a branch probe of near-copy data costs what an exact step costs: from its
-    first probe block on the family is probed RARELY after the warm-up, before r is even resolved."""
-    for half, futile in ((1.0, True), (0.8, False)):
+def test_a_branch_family_whose_draw_saves_nothing_is_never_probed_again():
+    """Near-copies keep both branches, so a branch probe of near-copy data costs what an exact step costs: a property
+    of the data, not of the run's progress. From its first probe block on the family is idle: no more probes (they
+    cost accuracy and nothing would be pruned), the warm-up's second probe runs exact, and after the warm-up nothing
+    is measured (every step runs the choice: keep everything, said why)."""
+    for half, idle in ((1.0, True), (0.8, False)):
         probs = _bare(["branch"], single=True)
         for work in (10.0, 10.2):  # the two steps of a B / 2B block, each
             probs.stats.add("work_exact", work)
             probs.stats.add("work_branch", work * half)
         probs._decide(4)
-        assert (probs.futile == ["branch"]) is futile
-        assert probs.kind(8) == "branch"  # the warm-up's second probe: r is resolved, and the decision recorded
-        assert probs.kind(2 * 17) == ("exact" if futile else "branch")  # block 17: the first regular probe
-        assert probs.choice[:2] == (1.0, 1.0)  # nothing resolved yet: keep everything
+        assert (probs._idle() == {"branch"}) is idle
+        assert probs.kind(8) == ("exact" if idle else "branch")  # the warm-up's second probe
+        assert {probs.kind(step) for step in range(12, 600)} == ({"choice"} if idle else {"exact", "branch"})
+        for value in (100.0, 110.0):  # two exact blocks: a decision
+            for name in ("trace", "norm2", "cross"):
+                probs.stats.add(f"{name}_exact", value)
+        probs._decide(12)
+        assert probs.choice[:2] == (1.0, 1.0)
+        assert bool(probs.history) is idle and (not idle or "branch idle" in probs.history[-1]["reason"])
+
+
+def test_where_nothing_will_be_pruned_only_the_blocks_around_a_probe_are_measured():
+    """A family probed RARELY (the optimistic bounds keep p = 1): its probe every RARELY * PROBE_EVERY blocks sits
+    between two exact blocks, with one more exact block before them on the B / 2B path (the link, Eq. A4); every other
+    block runs the choice (keep everything) and is not measured. While pruning might pay, every block is measured."""
+    for single, before in ((True, [63]), (False, [])):
+        probs = _bare(["branch"], single=single)
+        probs.futile = ["branch"]
+        per_block = 2 if single else 1
+        kinds = {block: probs.kind(block * per_block) for block in range(6, 200)}
+        assert [b for b, k in kinds.items() if k == "branch"] == [65, 129, 193]
+        exact = [b for b, k in kinds.items() if k == "exact"]
+        assert exact == [b for t in (4, 8, 12) for b in [*[x + 16 * (t - 4) for x in before], 16 * t, 16 * t + 2]]
+        assert {k for b, k in kinds.items() if b not in exact and k != "branch"} == {"choice"}
+        probs.futile = []
+        assert {probs.kind(block * per_block) for block in range(6, 200)} == {"exact", "branch"}

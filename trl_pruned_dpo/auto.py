@@ -48,7 +48,7 @@ class AutoKeepProbs(TrainerCallback):
     def load_state_dict(self, state):
         state, self._pending = state or {}, None
         self._paired = PairedSteps(state.get("drift"))
-        self._small, self._diff, self._pairs, self._work, self._buffered, self._held = 0, 0, 0, 0, False, None
+        self._small, self._diff, self._pairs, self._work, self._measured, self._held = 0, 0, 0, 0, False, None
         # _buffered: this step goes through the B / 2B buffer (set in `options`); _held: the even step it holds
         if "probes" not in state:  # an earlier estimator's statistics: measured anew
             state = {key: value for key, value in state.items() if key != "sums"}
@@ -60,16 +60,37 @@ class AutoKeepProbs(TrainerCallback):
     def kind(self, step: int) -> str:
         """"exact", a family's probe or "choice", from the step and the (rank-identical, saved) state: the warm-up E F1
         E F1 E F2 E F2 E (B / 2B: E first, its first pair has no link, A4) resolves the families after 5 and 9 blocks
-        (6, 10); then every PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units)."""
-        block, fams = step // (2 if self.single else 1), self.families
+        (6, 10); then every PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units). Where
+        nothing will be pruned (every family idle or probed RARELY) only the blocks around a probe are measured (B /
+        2B: one more before them, the link); the others run the choice, keeping everything, unmeasured."""
+        block, fams, idle = step // (2 if self.single else 1), self.families, self._idle()
         warm_up = ["exact"] * (1 + self.single) + [k for f in fams for k in (f, "exact", f, "exact")] if fams else []
         if block < len(warm_up):
-            return warm_up[block]
+            return "exact" if warm_up[block] in idle else warm_up[block]
         cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
-        probe = fams[turn % len(fams)] if fams and cycle == 1 else None
-        if probe and (probe not in self.futile or turn % (RARELY * len(fams)) < len(fams)):
+        probe = self._probed(turn, idle)
+        if probe and cycle == 1:
             return probe
+        if fams and set(fams) <= {*self.futile, *idle}:
+            around = probe and cycle in (0, 2) or self.single and cycle == PROBE_EVERY - 1 and self._probed(turn + 1, idle)
+            return "exact" if around else "choice"
         return "exact" if fams and (cycle in (0, 2) or self.choice[:2] == (1.0, 1.0)) else "choice"
+
+    def _probed(self, turn: int, idle: set) -> str | None:
+        """The family probed in a turn of PROBE_EVERY blocks: in turn; one probed RARELY, every RARELY-th turn; an idle
+        one never."""
+        fams = self.families
+        probe = fams[turn % len(fams)] if fams else None
+        rare = probe in self.futile and turn % (RARELY * len(fams)) >= len(fams)
+        return None if probe is None or probe in idle or rare else probe
+
+    def _idle(self) -> set:
+        """{"branch"} where a branch draw saves less than MIN_GAIN of an exact step's work, 90% sure (near-copies keep
+        both branches): a property of the data, not of the run's progress, so no keep probability will ever pay and
+        its probes, which cost accuracy, stop."""
+        s = self.stats
+        return {"branch"} if s.count("work_branch") > 1.9 and s.mean("work_branch", -UPPER_Z) > (
+            1 - MIN_GAIN) * s.mean("work_exact") else set()
 
     def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
         """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
@@ -77,7 +98,7 @@ class AutoKeepProbs(TrainerCallback):
         if micro_step == 0:
             self._decide(step)
         kind = self.kind(step)
-        self._buffered = self.single and kind != "choice"  # this step's gradient goes through the B / 2B buffer
+        self._measured = kind != "choice"  # (B / 2B: this step's gradient goes through the buffer)
         branch, position = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}.get(kind, self.choice[:2])
         pairs, options = inputs["input_ids"].size(0) // 2, dict(base_options)
         self._pairs, self.prunes_branches = self._pairs + pairs, float(branch) < 1  # rank-identical (trainer: the plan
@@ -109,7 +130,7 @@ class AutoKeepProbs(TrainerCallback):
         accelerator, clip = self.trainer.accelerator, self.trainer.accelerator.clip_grad_norm_
 
         def measured_clip(*a, **k):  # once a step (at max_norm inf without clipping): B / 2B reads the gradient first
-            if self.single and self._buffered:
+            if self.single and self._measured:
                 self._read_pair(self.trainer.state.global_step)
             self._clip = clip(*a, **k)  # pre-clip, reduced, accumulated
             return self._clip
@@ -124,7 +145,8 @@ class AutoKeepProbs(TrainerCallback):
 
     def _on_grad(self, grad):
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
-        self._small = self._small + torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+        if self._measured:
+            self._small = self._small + torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
 
     def _read_pair(self, step: int):
         """B / 2B, before clipping, fused over the parameters: |g_(t-1) - g_t|² on a pair's second step, the
@@ -159,7 +181,7 @@ class AutoKeepProbs(TrainerCallback):
         clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
         self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
                          accumulation * trainer.accelerator.num_processes, clip)
-        self._held = state.global_step if self._buffered and state.global_step % 2 == 0 else self._held
+        self._held = state.global_step if self._measured and state.global_step % 2 == 0 else self._held
         self._small, self._diff, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -193,19 +215,19 @@ class AutoKeepProbs(TrainerCallback):
         """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family
         that even the opposite (optimistic) bounds keep at p = 1 is probed RARELY until they no longer do."""
         self._fold()
-        s, ready = self.stats, [f for f in self.families if self.stats.count(f"ratio_{f}") >= MIN_SAMPLES - 0.1]
+        s, idle = self.stats, self._idle()  # an idle family is decided: p = 1
+        ready = [f for f in self.families if f in idle or s.count(f"ratio_{f}") >= MIN_SAMPLES - 0.1]
         half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
-        idle = {"branch"} if s.count("work_branch") > 1.9 and s.mean("work_branch", -UPPER_Z) > (  # near-copies:
-            1 - MIN_GAIN) * s.mean("work_exact") else set()  # no branch draw saves MIN_GAIN (90% sure)
-        self.futile = sorted({*self.futile, *idle})
         if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:  # decayed counts: 2 samples count 1.9995
             return
         (b_up, r), (b_low, r_low) = self._bounds(UPPER_Z, ready), self._bounds(-UPPER_Z, ready)
         room = [self.curve.room(step, self.trainer.state.max_steps, self.floor, z) for z in (UPPER_Z, -UPPER_Z)]
         pick = lambda b, r, room: choose(b, r.get("branch", 0.0), r.get("position", 0.0), self.batch,  # noqa: E731
-                                         self.head, "branch" in ready, "position" in ready, half, room)
+                                         self.head, "branch" in ready and not idle, "position" in ready, half, room)
         choice, hope = pick(b_up, r, room[0]), pick(b_low, r_low, room[1])
-        futile = sorted({*idle, *(f for f in ready if hope[("branch", "position").index(f)] == 1.0)})
+        futile = sorted(f for f in ready if f not in idle and hope[("branch", "position").index(f)] == 1.0)
+        if idle:  # (the reason's r of an idle family is not measured)
+            choice = (*choice[:3], choice[3] + f"; branch idle: a draw at 1/2 saves < {MIN_GAIN:.0%} of the work here")
         if (choice[:2], ready) != (self.choice[:2], (self.history or [{}])[-1].get("decided")) or step % 10 == 0:
             self.history.append({"step": step, "decided": ready, "b_simple": s.ratio("trace_exact", "norm2_exact",
                                  "cross_exact"), "b_simple_upper": b_up, "b_simple_lower": b_low, "r_branch":
@@ -218,5 +240,6 @@ class AutoKeepProbs(TrainerCallback):
         """B_simple and each family's r at their 90% bounds on the pruning-averse side (z < 0: the optimistic side);
         log(r + 1) from probes between exact blocks, its standard error at least the exact blocks' (ProbeLevels)."""
         spread = 1.5 * self.stats.mean("jitter") if "jitter" in self.stats.sums else 0.0  # one probe's variance
-        r = {f: max(math.exp(self.stats.mean(f"ratio_{f}", z, spread)) - 1, 0.0) for f in ready}
+        r = {f: max(math.exp(self.stats.mean(f"ratio_{f}", z, spread)) - 1, 0.0) for f in ready
+             if f"ratio_{f}" in self.stats.sums}
         return self.stats.ratio("trace_exact", "norm2_exact", "cross_exact", z), r
