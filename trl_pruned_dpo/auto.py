@@ -15,8 +15,8 @@ from .metrics import log_run_mean
 from .reference import host_batch
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
-    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, choose, extra_noise,
-    head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
+    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, branch_idle, choose,
+    extra_noise, head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
 )
 
 PROBE_EVERY, MIN_SAMPLES = 16, 2  # blocks between exact / half probes after the warm-up; samples before a decision
@@ -49,7 +49,7 @@ class AutoKeepProbs(TrainerCallback):
         state, self._pending = state or {}, None
         self._paired = PairedSteps(state.get("drift"))
         self._small, self._diff, self._pairs, self._work, self._measured, self._held = 0, 0, 0, 0, False, None
-        # _buffered: this step goes through the B / 2B buffer (set in `options`); _held: the even step it holds
+        # _measured: this step is (B / 2B: through the buffer; set in `options`); _held: the even step it holds
         if "probes" not in state:  # an earlier estimator's statistics: measured anew
             state = {key: value for key, value in state.items() if key != "sums"}
         self.stats, self.history = Running(state.get("sums")), list(state.get("history", []))
@@ -63,7 +63,7 @@ class AutoKeepProbs(TrainerCallback):
         (6, 10); then every PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units). Where
         nothing will be pruned (every family idle or probed RARELY) only the blocks around a probe are measured (B /
         2B: one more before them, the link); the others run the choice, keeping everything, unmeasured."""
-        block, fams, idle = step // (2 if self.single else 1), self.families, self._idle()
+        block, fams, idle = step // (2 if self.single else 1), self.families, branch_idle(self.stats)
         warm_up = ["exact"] * (1 + self.single) + [k for f in fams for k in (f, "exact", f, "exact")] if fams else []
         if block < len(warm_up):
             return "exact" if warm_up[block] in idle else warm_up[block]
@@ -72,25 +72,16 @@ class AutoKeepProbs(TrainerCallback):
         if probe and cycle == 1:
             return probe
         if fams and set(fams) <= {*self.futile, *idle}:
-            around = probe and cycle in (0, 2) or self.single and cycle == PROBE_EVERY - 1 and self._probed(turn + 1, idle)
-            return "exact" if around else "choice"
+            link = self.single and cycle == PROBE_EVERY - 1 and self._probed(turn + 1, idle)
+            return "exact" if probe and cycle in (0, 2) or link else "choice"
         return "exact" if fams and (cycle in (0, 2) or self.choice[:2] == (1.0, 1.0)) else "choice"
 
     def _probed(self, turn: int, idle: set) -> str | None:
-        """The family probed in a turn of PROBE_EVERY blocks: in turn; one probed RARELY, every RARELY-th turn; an idle
-        one never."""
-        fams = self.families
-        probe = fams[turn % len(fams)] if fams else None
-        rare = probe in self.futile and turn % (RARELY * len(fams)) >= len(fams)
-        return None if probe is None or probe in idle or rare else probe
-
-    def _idle(self) -> set:
-        """{"branch"} where a branch draw saves less than MIN_GAIN of an exact step's work, 90% sure (near-copies keep
-        both branches): a property of the data, not of the run's progress, so no keep probability will ever pay and
-        its probes, which cost accuracy, stop."""
-        s = self.stats
-        return {"branch"} if s.count("work_branch") > 1.9 and s.mean("work_branch", -UPPER_Z) > (
-            1 - MIN_GAIN) * s.mean("work_exact") else set()
+        """The family probed in a turn of PROBE_EVERY blocks (they take turns): one probed RARELY every RARELY-th turn
+        of its own, an idle one never."""
+        probe = self.families[turn % len(self.families)] if self.families else None
+        rare = probe in self.futile and turn % (RARELY * len(self.families)) >= len(self.families)
+        return None if probe in idle or rare else probe
 
     def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
         """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
@@ -103,13 +94,13 @@ class AutoKeepProbs(TrainerCallback):
         pairs, options = inputs["input_ids"].size(0) // 2, dict(base_options)
         self._pairs, self.prunes_branches = self._pairs + pairs, float(branch) < 1  # rank-identical (trainer: the plan
         if self.args.branch_keep_prob == "auto":  # runs no frozen group at 1); per pair below 1: near-copies keep both
-            host = host_batch(inputs)  # the batch's host copy: no device read
-            options["branch_keep_prob"] = per_pair_branch_probs(pair_overlap(
-                host.input_ids, host.completion_mask, host.attention_mask), float(branch)) if self.prunes_branches else 1.0
+            host = host_batch(inputs)  # (its host copy: no device read)
+            overlap = pair_overlap(host.input_ids, host.completion_mask, host.attention_mask) if branch < 1 else None
+            options["branch_keep_prob"] = 1.0 if overlap is None else per_pair_branch_probs(overlap, float(branch))
         if self.args.position_keep_prob == "auto":
             options["position_keep_prob"] = float(position)
         kept = options["branch_keep_prob"]  # the run's values, reduced over ranks at the logging step (metrics.py)
-        log_run_mean(trainer, "prune/branch_keep_prob", float(kept.sum()) if torch.is_tensor(kept) else kept * pairs,
+        log_run_mean(trainer, "prune/branch_keep_prob", float(kept.sum() if torch.is_tensor(kept) else kept * pairs),
                      pairs)
         log_run_mean(trainer, "prune/position_keep_prob", float(options["position_keep_prob"]))
         log_run_mean(trainer, "prune/auto_b_simple", min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
@@ -135,13 +126,13 @@ class AutoKeepProbs(TrainerCallback):
             self._clip = clip(*a, **k)  # pre-clip, reduced, accumulated
             return self._clip
 
-        accelerator.clip_grad_norm_, self._restore = measured_clip, lambda: setattr(accelerator, "clip_grad_norm_", clip)
+        accelerator.clip_grad_norm_ = measured_clip
+        self._restore = lambda: setattr(accelerator, "clip_grad_norm_", clip)
 
     def _hook(self, params):
-        for p in params:
-            if id(p) not in self._hooked:
-                self._hooked.add(id(p))
-                self._hooks.append(p.register_hook(self._on_grad))
+        for p in (p for p in params if id(p) not in self._hooked):
+            self._hooked.add(id(p))
+            self._hooks.append(p.register_hook(self._on_grad))
 
     def _on_grad(self, grad):
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
@@ -215,7 +206,7 @@ class AutoKeepProbs(TrainerCallback):
         """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family
         that even the opposite (optimistic) bounds keep at p = 1 is probed RARELY until they no longer do."""
         self._fold()
-        s, idle = self.stats, self._idle()  # an idle family is decided: p = 1
+        s, idle = self.stats, branch_idle(self.stats)  # an idle family is decided: p = 1
         ready = [f for f in self.families if f in idle or s.count(f"ratio_{f}") >= MIN_SAMPLES - 0.1]
         half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
         if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:  # decayed counts: 2 samples count 1.9995

@@ -131,6 +131,14 @@ def level_jitter(levels: list) -> float | None:
     return None if len(levels) < 3 or None in levels else (levels[0] - 2 * levels[1] + levels[2]) ** 2 / 6
 
 
+def branch_idle(stats: "Running") -> set:
+    """{"branch"} where a branch draw saves less than MIN_GAIN of an exact step's work, 90% sure (near-copies keep both
+    branches): a property of the data, not of the run's progress, so no keep probability will ever pay, and the
+    family's probes, which cost accuracy, stop."""
+    return {"branch"} if stats.count("work_branch") > 1.9 and stats.mean("work_branch", -UPPER_Z) > (
+        1 - MIN_GAIN) * stats.mean("work_exact") else set()
+
+
 def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_auto, branch_half_cost=0.75, room=0.0):
     """(branch p, position p, time ratio, reason): (A1) minimised over the grids within +MAX_STEP_INFLATION steps; where
     the loss curve allows more (`room`, LossCurve.room: 1 - 1/f up to it, A3), the least work per step within it."""
