@@ -522,7 +522,7 @@ def test_a_branch_family_whose_draw_saves_nothing_is_never_probed_again():
             probs.stats.add("work_exact", work)
             probs.stats.add("work_branch", work * half)
         probs._decide(4)
-        assert (probs._idle() == {"branch"}) is idle
+        assert (noise.branch_idle(probs.stats) == {"branch"}) is idle
         assert probs.kind(8) == ("exact" if idle else "branch")  # the warm-up's second probe
         assert {probs.kind(step) for step in range(12, 600)} == ({"choice"} if idle else {"exact", "branch"})
         for value in (100.0, 110.0):  # two exact blocks: a decision
