@@ -4,7 +4,8 @@ Measured from squared gradient norms training computes anyway, at two batch size
 et al. 2018, App. A.1): each micro-batch's local gradient (parameter hooks; FSDP2: its unsharded parameters) and the
 step's accumulated, reduced pre-clip norm (the engine's `clip_grad_norm_`), or, without accumulation or a second
 process, two consecutive steps, B and 2B, less the mean gradient's drift between them, read from consecutive pairs
-(one gradient-sized buffer, Eq. A4). method/noise.py estimates and chooses.
+(`.grad` before the clip, no hooks; one gradient-sized buffer, Eq. A4). Where nothing will be pruned, only the blocks
+around a (rare) probe are measured. method/noise.py estimates and chooses.
 """
 import math
 
