@@ -158,8 +158,11 @@ class PrunedDPOTrainer(DPOTrainer):
         return options
 
     def _prunes_branches(self) -> bool:
-        """Whether branch pruning can drop rows (a structural choice, the same on every process)."""
-        return self.args.branch_keep_prob == AUTO or self.args.branch_keep_prob < 1
+        """Whether branch pruning can drop rows (a structural choice, the same on every process; with "auto", this
+        step's: none where it keeps every branch, auto.py)."""
+        if self.args.branch_keep_prob == AUTO:
+            return self._auto_probs.prunes_branches
+        return self.args.branch_keep_prob < 1
 
     def _draw_masks(self, inputs) -> PruneMasks:
         """This micro-step's masks, drawn on the host from the batch's token layout (no device sync), from a generator
