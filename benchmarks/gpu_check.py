@@ -239,7 +239,7 @@ def main(argv=None):
     print("\n" + format_table(results))
     from trl_pruned_dpo.method import attention  # which varlen kernel the packed rows ran, and whether it was refused
 
-    verdicts = {f"{k[0].__name__.strip('_')} {k[2]} heads {k[3]}/{k[4]} dim {k[5]}": "used" if ok else "REFUSED"
+    verdicts = {f"{k[0].__name__.strip('_')} {k[2]} heads {k[3]}/{k[4]} dim {k[5]} {k[6]}": "used" if ok else "REFUSED"
                 for k, ok in attention._VERIFIED.items()}
     print("varlen kernels:", verdicts or "none checked (the packed rows ran SDPA per segment)")
     meta["varlen_kernels"] = verdicts

@@ -240,6 +240,42 @@ def test_resume_reproduces_the_masks(tokenizer, far_dataset, tmp_path, case):
     assert all(sums[k] == pytest.approx(v) for k, v in trainer._auto_probs.stats.sums.items())
 
 
+def test_one_process_reads_the_unclipped_gradients(tokenizer, far_dataset, tmp_path):
+    """The B / 2B path reads `.grad` once a step, fused, instead of per-parameter hooks: what it sends is |g_t|² and
+    |g_t - g_(t-1)|² (a pair's second step) or the link |g_t - g_(t-2)|² (a first step) of the raw gradients, before
+    clipping. Clipping hard here (max_grad_norm 1e-4) makes a read after the clip differ by orders of magnitude."""
+    trainer = _train(tokenizer, far_dataset, tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                     max_steps=8, max_grad_norm=1e-4)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    raw, sent, probs = {}, {}, trainer._auto_probs
+    def keep(i, grad):  # a parameter's gradient may arrive in pieces: summed, as `.grad` sums them
+        parts = raw.setdefault(trainer.state.global_step, {})
+        parts[i] = grad.flatten().double() + parts.get(i, 0.0)
+
+    for i, p in enumerate(params):  # the raw gradient of each step, in parameter order
+        p.register_hook(lambda g, i=i: keep(i, g))
+    fold = probs._fold
+
+    def recording():
+        if probs._pending is not None:
+            sent[probs._pending[0]] = probs._pending[1].tolist()
+        fold()
+
+    probs._fold = recording
+    trainer.train()
+    recording()
+    grads = {step: torch.cat([parts[i] for i in range(len(params))]) for step, parts in raw.items()}
+    checked = 0
+    for step, (small2, _, _, diff2, _) in sent.items():
+        assert small2 == pytest.approx(float(grads[step] @ grads[step]), rel=1e-4), step
+        other = step - 1 if step % 2 else step - 2
+        if probs.kind(step) != "choice" and probs.kind(other) == probs.kind(step) and other >= 0:
+            delta = grads[step] - grads[other]
+            assert diff2 == pytest.approx(float(delta @ delta), rel=1e-3), step
+            checked += 1
+    assert checked >= 5 and min(v[0] for v in sent.values()) > 1e4 * 1e-4 ** 2  # every step clipped, hard
+
+
 def _peak_bytes(trainer) -> int:
     """Peak of CPU tensor memory during `trainer.train()`, from the profiler's allocation and free events in order."""
     from torch.profiler import ProfilerActivity, profile
@@ -265,7 +301,8 @@ def test_extra_memory_is_at_most_one_gradient(tokenizer, far_dataset, tmp_path, 
     peaks = {}
     for name in ("auto", "unmeasured"):
         if name == "unmeasured":
-            monkeypatch.setattr(auto.AutoKeepProbs, "_hook", lambda self, params: None)
+            monkeypatch.setattr(auto.AutoKeepProbs, "_hook", lambda self, params: None)  # the engine path's hooks
+            monkeypatch.setattr(auto.AutoKeepProbs, "_read_pair", lambda self, step: None)  # the B / 2B buffer
             monkeypatch.setattr(auto.AutoKeepProbs, "_fold", lambda self: None)  # no statistics: it never decides
         trainer = _train(tokenizer, far_dataset, tmp_path / name, **common)
         peaks[name] = _peak_bytes(trainer)
@@ -353,7 +390,8 @@ def test_probe_units_cancel_the_drift():
         scale, extra = 0.7 ** min(step, 40), 0.8 if probs.kind(step) == "branch" else 0.0
         noisy = lambda x: x * (1 + 0.05 * float(torch.randn((), generator=gen)))  # noqa: E731
         small2, big2 = (scale * (norm2 + trace * (1 + extra) / size) for size in (b, micro * b))
-        totals = torch.tensor([micro * noisy(small2), micro * b, 1.0, 0.0, 0.5], dtype=torch.float64)
+        work = 0.75 if extra else 1.0  # a branch draw saves work (else the family is idle: never probed again)
+        totals = torch.tensor([micro * noisy(small2), micro * b, work, 0.0, 0.5], dtype=torch.float64)
         probs._pending = (step, totals, micro, torch.tensor(noisy(big2)).sqrt())
         probs._fold()
     (_, r), point = probs._bounds(auto.UPPER_Z, ["branch"]), probs._bounds(0.0, ["branch"])[1]["branch"]
@@ -380,8 +418,9 @@ def test_one_process_pairs_subtract_the_mean_gradients_drift(monkeypatch, drift)
         variance = trace * (1 + extra if probs.kind(step) == "branch" else 1) / b / dim
         grads[step] = start + step * step_drift + torch.randn(dim, generator=gen, dtype=torch.float64) * variance ** 0.5
         near = grads.get(step - 1 if step % 2 else step - 2)  # odd: the pair's first step; even: the previous pair's
-        dot = 0.0 if near is None else float(grads[step] @ near)
-        totals = torch.tensor([float(grads[step] @ grads[step]), b, 1.0, dot, 0.5], dtype=torch.float64)
+        diff = 0.0 if near is None else float((grads[step] - near) @ (grads[step] - near))
+        work = 0.75 if probs.kind(step) == "branch" else 1.0  # a branch draw saves work: the family is not idle
+        totals = torch.tensor([float(grads[step] @ grads[step]), b, work, diff, 0.5], dtype=torch.float64)
         probs._pending = (step, totals, 1, None)
         probs._fold()
     r = probs._bounds(0.0, ["branch"])[1]["branch"]
@@ -400,14 +439,14 @@ def test_the_pair_after_a_checkpoint_reads_the_drift_before_it():
     gives none."""
     paired = noise.PairedSteps()
     out = []
-    for step, (small2, dot) in enumerate([(4.0, 0.0), (4.0, 1.0), (4.0, -0.5), (4.0, 1.0)]):  # even: the link's dot
-        out.append(paired.add(step, "exact", small2, dot, 8))
+    for step, (small2, diff2) in enumerate([(4.0, 0.0), (4.0, 6.0), (4.0, 9.0), (4.0, 6.0)]):  # even: the link's
+        out.append(paired.add(step, "exact", small2, diff2, 8))
     (_, first), (_, second) = out[1], out[3]  # within 6 each, link 9: |d|² = (9 - 6) / 3 = 1, b |d|² / 2 = 4
     assert first is None and second == pytest.approx(4.0)
     resumed = paired.split()
     assert resumed.carried == second and paired.split().carried == second  # idempotent: state_dict may run twice
     resumed.add(4, "exact", 4.0, 0.0, 8)
-    assert resumed.add(5, "exact", 4.0, 1.0, 8)[1] == second
+    assert resumed.add(5, "exact", 4.0, 6.0, 8)[1] == second
 
 
 def test_two_probes_that_agree_by_chance_are_read_as_noisy_as_the_exact_blocks():
@@ -472,16 +511,40 @@ def test_loss_curve_bounds_what_pruning_gives_up():
     assert tighter[0] == 0.75  # 1 - 1 / (1 + 1.3 / 3) = 0.30 <= 0.4 < 0.43 at 0.625
 
 
-def test_probed_rarely_where_a_branch_draw_saves_nothing():
-    """Near-copies keep both branches, so a branch probe of near-copy data costs what an exact step costs: from its
-    first probe block on the family is probed RARELY after the warm-up, before r is even resolved."""
-    for half, futile in ((1.0, True), (0.8, False)):
+def test_a_branch_family_whose_draw_saves_nothing_is_never_probed_again():
+    """Near-copies keep both branches, so a branch probe of near-copy data costs what an exact step costs: a property
+    of the data, not of the run's progress. From its first probe block on the family is idle: no more probes (they
+    cost accuracy and nothing would be pruned), the warm-up's second probe runs exact, and after the warm-up nothing
+    is measured (every step runs the choice: keep everything, said why)."""
+    for half, idle in ((1.0, True), (0.8, False)):
         probs = _bare(["branch"], single=True)
         for work in (10.0, 10.2):  # the two steps of a B / 2B block, each
             probs.stats.add("work_exact", work)
             probs.stats.add("work_branch", work * half)
         probs._decide(4)
-        assert (probs.futile == ["branch"]) is futile
-        assert probs.kind(8) == "branch"  # the warm-up's second probe: r is resolved, and the decision recorded
-        assert probs.kind(2 * 17) == ("exact" if futile else "branch")  # block 17: the first regular probe
-        assert probs.choice[:2] == (1.0, 1.0)  # nothing resolved yet: keep everything
+        assert (noise.branch_idle(probs.stats) == {"branch"}) is idle
+        assert probs.kind(8) == ("exact" if idle else "branch")  # the warm-up's second probe
+        assert {probs.kind(step) for step in range(12, 600)} == ({"choice"} if idle else {"exact", "branch"})
+        for value in (100.0, 110.0):  # two exact blocks: a decision
+            for name in ("trace", "norm2", "cross"):
+                probs.stats.add(f"{name}_exact", value)
+        probs._decide(12)
+        assert probs.choice[:2] == (1.0, 1.0)
+        assert bool(probs.history) is idle and (not idle or "branch idle" in probs.history[-1]["reason"])
+
+
+def test_where_nothing_will_be_pruned_only_the_blocks_around_a_probe_are_measured():
+    """A family probed RARELY (the optimistic bounds keep p = 1): its probe every RARELY * PROBE_EVERY blocks sits
+    between two exact blocks, with one more exact block before them on the B / 2B path (the link, Eq. A4); every other
+    block runs the choice (keep everything) and is not measured. While pruning might pay, every block is measured."""
+    for single, before in ((True, [63]), (False, [])):
+        probs = _bare(["branch"], single=single)
+        probs.futile = ["branch"]
+        per_block = 2 if single else 1
+        kinds = {block: probs.kind(block * per_block) for block in range(6, 200)}
+        assert [b for b, k in kinds.items() if k == "branch"] == [65, 129, 193]
+        exact = [b for b, k in kinds.items() if k == "exact"]
+        assert exact == [b for t in (4, 8, 12) for b in [*[x + 16 * (t - 4) for x in before], 16 * t, 16 * t + 2]]
+        assert {k for b, k in kinds.items() if b not in exact and k != "branch"} == {"choice"}
+        probs.futile = []
+        assert {probs.kind(block * per_block) for block in range(6, 200)} == {"exact", "branch"}

@@ -85,7 +85,7 @@ def test_vectorised_findings_equal_a_per_row_loop(tokenizer, tmp_path):
     eos = tokenizer.eos_token_id
     for max_length, keep_start in ((None, True), (30, True), (20, False)):
         found = data_checks.pair_findings(prepared, max_length, keep_start, eos)
-        expected = {"degenerate": 0, "first": None, "empty": 0, "first_empty": None, "truncated": 0}
+        expected = {"degenerate": 0, "first": None, "empty": 0, "first_empty": None, "truncated": 0, "misaligned": 0}
         for i, row in enumerate(prepared):
             chosen, rejected = row["chosen_ids"], row["rejected_ids"]
             strip = lambda ids: ids[:-1] if ids and ids[-1] == eos else ids  # noqa: E731
@@ -97,5 +97,9 @@ def test_vectorised_findings_equal_a_per_row_loop(tokenizer, tmp_path):
                 expected["first_empty"] = i if expected["first_empty"] is None else expected["first_empty"]
             longest = max(len(chosen), len(rejected)) + (len(row["prompt_ids"]) if keep_start else 0)
             expected["truncated"] += max_length is not None and longest > max_length
+            cut_from_start = not keep_start and max_length is not None and (
+                len(row["prompt_ids"]) + max(len(chosen), len(rejected)) > max_length)
+            expected["misaligned"] += cut_from_start and len(chosen) != len(rejected)
         assert found == {"total": len(prepared), **expected}, (max_length, keep_start)
         assert found["degenerate"] and found["empty"] and (max_length is None or found["truncated"])
+        assert keep_start or found["misaligned"]

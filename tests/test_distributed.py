@@ -365,3 +365,34 @@ def test_auto_resume_reproduces_the_masks(engine_run):
         for d in resumed:
             assert d == full[(d["step"], d["micro"])], (rank, d["step"], d["micro"])
         assert report(out, "auto-resumed", rank)["auto"] == report(out, "auto", rank)["auto"]
+
+
+# Two ranks holding different kinds of pairs (rank 0 near-copies, rank 1 dissimilar), `auto` on both families, no
+# accumulation: the engine path, whose warm-up probes each family by step 7. One launch of its own (DDP only).
+PER_RANK = {"name": "auto-per-rank", "data": "per-rank",
+            "config": {**SAVINGS_OFF, "branch_keep_prob": "auto", "position_keep_prob": "auto", "max_steps": 8}}
+
+
+@pytest.mark.slow
+def test_every_prune_value_logged_is_the_runs(tmp_path):
+    """Every `prune/*` value logged at every logged step is the run's, reduced across ranks as TRL reduces its own
+    metrics (gather, then mean): identical on both ranks, and `auto`'s keep probabilities the mean of the ranks' own
+    (equal pairs per rank) at the probe steps where the ranks drew with different ones."""
+    if "ddp" not in TESTED:
+        pytest.skip("DDP is not among TEST_DISTRIBUTED_ENGINES")
+    launch("ddp", tmp_path, [PER_RANK])
+    reports = [report(tmp_path, PER_RANK["name"], rank) for rank in range(WORLD)]
+    logged = [losses(r["log_history"]) for r in reports]
+    assert [h["step"] for h in logged[0]] == [h["step"] for h in logged[1]] == list(range(1, 9))
+    for h0, h1 in zip(*logged):
+        keys = {k for k in h0 if k.startswith("prune/")}
+        assert keys == {k for k in h1 if k.startswith("prune/")} and "prune/branch_keep_prob" in keys
+        assert {k: h0[k] for k in keys} == {k: h1[k] for k in keys}, h0["step"]
+    differed = 0
+    for step, (h0, h1) in enumerate(zip(*logged)):
+        draws = [next(d for d in r["draws"] if d["step"] == step) for r in reports]
+        for key in ("branch_keep_prob", "position_keep_prob"):
+            own = [d[key] for d in draws]
+            assert h0[f"prune/{key}"] == pytest.approx(sum(own) / WORLD, abs=1e-12), (step, key, own)
+            differed += own[0] != own[1]
+    assert differed, "no step where the ranks drew with different keep probabilities"

@@ -51,12 +51,12 @@ def family(name, **extra):
 
 
 EXACT = [family("llama"), family("qwen2"), family("qwen3"), family("mistral", sliding_window=None),
-         family("mistral", sliding_window=4096), family("gpt_neox")]
+         family("mistral", sliding_window=4096), family("gpt_neox"), family("mistral", sliding_window=8),
+         family("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), family("gemma2"),
+         family("opt")]  # every family of tests/test_exactness_matrix.py; here both savings alone, too
 FALLBACK = [  # (family, what the one warning must name)
-    (family("gemma2"), "soft-capped"), (family("bloom"), "ALiBi"), (family("mpt"), "ALiBi"),
-    (family("falcon"), "ALiBi"), (family("opt"), "attention mask"), (family("gpt_neo"), "gpt_neo"),
-    (family("mistral", sliding_window=8), "sliding attention window (8)"),
-    (family("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1), "sliding_attention"),
+    (family("bloom"), "ALiBi"), (family("mpt"), "ALiBi"), (family("falcon"), "ALiBi"),
+    (family("gpt_neo"), "gpt_neo"),
 ]
 
 
@@ -145,15 +145,15 @@ def test_default_config_trains_packed_and_matches_stock(tokenizer, dataset, tmp_
 
 
 def test_default_config_falls_back_on_an_unsupported_model(tokenizer, tmp_path):
-    """The defaults on a model the packed layout cannot express exactly (Gemma 2: soft-capped scores): one line naming
-    why, padded rows (with pruning off, TRL's own forward), stock's numbers, and training runs."""
+    """The defaults on a model the packed layout cannot express exactly (Bloom: ALiBi in its own attention module): one
+    line naming why, padded rows (with pruning off, TRL's own forward), stock's numbers, and training runs."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stock, pruned = pair_of_trainers(family("gemma2"), tokenizer, tmp_path)
+        stock, pruned = pair_of_trainers(family("bloom"), tokenizer, tmp_path)
     assert pruned.args.share_prompt and pruned.args.padding_free  # the defaults
     messages = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(messages) == 1 and "padding_free and share_prompt ignored" in messages[0], messages
-    assert "soft-capped" in messages[0] and "\n" not in messages[0]
+    assert "ALiBi" in messages[0] and "\n" not in messages[0]
     assert not pruned._packed and pruned._share_backend is None
     assert_exact(stock, pruned)
     pruned.train()
@@ -288,12 +288,29 @@ def naive_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enabl
     return out
 
 
+def windowed_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa=False):
+    """`naive_varlen` with a left window (flash-attention's `window_size=(left, 0)`): query i, at the end of its
+    segment's keys, sees keys i + keys - queries - left .. i + keys - queries."""
+    out, group, left = torch.zeros_like(q), q.size(1) // k.size(1), window_size[0]
+    assert window_size[1] == 0 and enable_gqa == (group > 1)
+    for s in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]))
+        pos, j = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0), torch.arange(k1 - k0)[None, :]
+        hidden = (j > pos) | ((pos - j > left) if left >= 0 else torch.zeros_like(j > pos))
+        for h in range(q.size(1)):
+            scores = (q[q0:q1, h] @ k[k0:k1, h // group].T * scale).masked_fill(hidden, float("-inf"))
+            out[q0:q1, h] = scores.softmax(-1) @ v[k0:k1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["causal", "window-3"])
 @pytest.mark.parametrize("kernel", [False, True], ids=["per-segment", "varlen-call"])
 @pytest.mark.parametrize("share", [False, True])
-def test_packed_attention_equals_a_dense_mask(share, kernel, monkeypatch):
+def test_packed_attention_equals_a_dense_mask(share, kernel, window, monkeypatch):
     """The packed attention (per-segment SDPA over cu_seq_q/cu_seq_k/kv_index, GQA 4:2) equals SDPA over the whole
     packed row with a dense mask derived from each token's row, position and branch: a token sees the tokens of its
-    own row at positions up to its own (a shared token standing for both rows of its pair)."""
+    own row at positions up to its own (a shared token standing for both rows of its pair), and with a sliding window
+    only the last `window` positions of them."""
     # every pair shares at least two response tokens, so each segment scores something (below)
     host = _host([5, 2, 7], [[1, 2, 3], [4, 4, 1], [5, 6, 7, 8]], [[1, 2, 9, 9], [4, 4, 6, 7, 8], [5, 6, 1]])
     scored = host.completion_mask[:, 1:].bool()
@@ -313,6 +330,8 @@ def test_packed_attention_equals_a_dense_mask(share, kernel, monkeypatch):
     visible = (stands.float() @ stands.float().T > 0) & (position[None, :] <= position[:, None])
     # a key that stands for a row serves it only if it is at or before the query in the packed row (causal order)
     visible &= torch.arange(total)[None, :] <= torch.arange(total)[:, None]
+    if window is not None:  # stock's sliding_window_overlay, in position space
+        visible &= position[:, None] - position[None, :] < window
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, total, 8, generator=g) for h in (4, 2, 2))
     packing = attention.Packing(group.cu_seq_q, group.cu_seq_k, group.kv_index, group.max_q, group.max_k,
@@ -322,14 +341,15 @@ def test_packed_attention_equals_a_dense_mask(share, kernel, monkeypatch):
 
         from torch.nn.attention.varlen import varlen_attn
 
-        def fake(*args, **kwargs):
-            inspect.signature(varlen_attn).bind(*args, **kwargs)
-            return naive_varlen(*args, **kwargs)
+        def fake(*args, window_size, **kwargs):
+            inspect.signature(varlen_attn).bind(*args, window_size=window_size, **kwargs)
+            assert window_size == (-1 if window is None else window - 1, 0)
+            return windowed_varlen(*args, window_size=window_size, **kwargs)
 
         monkeypatch.setattr(attention, "varlen_attn", fake)
         monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
     module = torch.nn.Module()
-    out, _ = attention.packed_attention(module, q, k, v, None, scaling=0.5, **{attention.PACKING_KWARG: packing})
+    out, _ = attention.packed_attention(module, q, k, v, attention.PackedMask(window, packing), scaling=0.5)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.5, enable_gqa=True)
     torch.testing.assert_close(out[0], expected[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
     assert group.kv_index.numel() < total * total  # keys gathered per segment, never the square

@@ -91,8 +91,9 @@ def test_a_kernel_that_fails_is_refused(on_kernel):
 def test_the_check_tells_lower_right_from_top_left_and_noncausal():
     """Direct: the right semantics pass; top-left alignment and a missing causal mask fail, with GQA 4:2."""
     def adapter(kernel):
-        return lambda q, k, v, p, scale: kernel(q, k, v, p.cu_seq_q, p.cu_seq_k, p.max_q, p.max_k, scale=scale,
-                                                window_size=(-1, 0), enable_gqa=q.size(1) != k.size(1))
+        return lambda q, k, v, p, scale, variant: kernel(q, k, v, p.cu_seq_q, p.cu_seq_k, p.max_q, p.max_k,
+                                                         scale=scale, window_size=(-1, 0),
+                                                         enable_gqa=q.size(1) != k.size(1))
 
     cpu = torch.device("cpu")
     assert attention._verify(adapter(naive_varlen), 4, 2, 8, cpu, torch.float32)
@@ -130,8 +131,10 @@ def test_transformers_names_the_packed_attention_relies_on():
     assert {"sdpa", "flash_attention_2"} <= set(ALL_ATTENTION_FUNCTIONS) and "eager" not in ALL_ATTENTION_FUNCTIONS
     assert {"sdpa", "eager", "flash_attention_2"} <= set(ALL_MASK_ATTENTION_FUNCTIONS)
     assert ALL_ATTENTION_FUNCTIONS[attention.PACKED] is attention.packed_attention
-    for model_type in attention.EXACT_FAMILIES:
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for model_type in attention.EXACT_FAMILIES:  # `_users_attention`'s eager fallback, in each model's own file
+        module = importlib.import_module(getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]).__module__)
         assert callable(module.eager_attention_forward), model_type
     config = transformers.LlamaConfig()
     config._attn_implementation = attention.PACKED

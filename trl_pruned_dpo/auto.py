@@ -4,17 +4,20 @@ Measured from squared gradient norms training computes anyway, at two batch size
 et al. 2018, App. A.1): each micro-batch's local gradient (parameter hooks; FSDP2: its unsharded parameters) and the
 step's accumulated, reduced pre-clip norm (the engine's `clip_grad_norm_`), or, without accumulation or a second
 process, two consecutive steps, B and 2B, less the mean gradient's drift between them, read from consecutive pairs
-(one gradient-sized buffer, Eq. A4). method/noise.py estimates and chooses.
+(`.grad` before the clip, no hooks; one gradient-sized buffer, Eq. A4). Where nothing will be pruned, only the blocks
+around a (rare) probe are measured. method/noise.py estimates and chooses.
 """
 import math
 
 import torch
 from transformers import TrainerCallback
 
+from .metrics import log_run_mean
+from .reference import host_batch
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
-    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, choose, extra_noise,
-    head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
+    MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, branch_idle, choose,
+    extra_noise, head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
 )
 
 PROBE_EVERY, MIN_SAMPLES = 16, 2  # blocks between exact / half probes after the warm-up; samples before a decision
@@ -32,7 +35,8 @@ class AutoKeepProbs(TrainerCallback):
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         self.single = args.gradient_accumulation_steps * max(args.world_size, 1) == 1  # the B / 2B path
         self.floor = None if "robust" in args.loss_type else 0.0  # the other losses are >= 0 (A3)
-        self._hooks, self._hooked, self._size, self._buffer, self._clip = [], set(), 0, None, None
+        self._hooks, self._hooked, self._buffer, self._parts, self._clip = [], set(), None, None, None
+        self.prunes_branches = True  # whether this step's draw can drop a branch (set in `options`)
         self.load_state_dict(None)
 
     def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume (the B / 2B buffer
@@ -45,8 +49,8 @@ class AutoKeepProbs(TrainerCallback):
     def load_state_dict(self, state):
         state, self._pending = state or {}, None
         self._paired = PairedSteps(state.get("drift"))
-        self._small, self._dot, self._pairs, self._work, self._buffered, self._held = 0, 0, 0, 0, False, None
-        # _buffered: this step goes through the B / 2B buffer (set in `options`); _held: the even step it holds
+        self._small, self._diff, self._pairs, self._work, self._measured, self._held = 0, 0, 0, 0, False, None
+        # _measured: this step is (B / 2B: through the buffer; set in `options`); _held: the even step it holds
         if "probes" not in state:  # an earlier estimator's statistics: measured anew
             state = {key: value for key, value in state.items() if key != "sums"}
         self.stats, self.history = Running(state.get("sums")), list(state.get("history", []))
@@ -57,16 +61,28 @@ class AutoKeepProbs(TrainerCallback):
     def kind(self, step: int) -> str:
         """"exact", a family's probe or "choice", from the step and the (rank-identical, saved) state: the warm-up E F1
         E F1 E F2 E F2 E (B / 2B: E first, its first pair has no link, A4) resolves the families after 5 and 9 blocks
-        (6, 10); then every PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units)."""
-        block, fams = step // (2 if self.single else 1), self.families
+        (6, 10); then every PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units). Where
+        nothing will be pruned (every family idle or probed RARELY) only the blocks around a probe are measured (B /
+        2B: one more before them, the link); the others run the choice, keeping everything, unmeasured."""
+        block, fams, idle = step // (2 if self.single else 1), self.families, branch_idle(self.stats)
         warm_up = ["exact"] * (1 + self.single) + [k for f in fams for k in (f, "exact", f, "exact")] if fams else []
         if block < len(warm_up):
-            return warm_up[block]
+            return "exact" if warm_up[block] in idle else warm_up[block]
         cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
-        probe = fams[turn % len(fams)] if fams and cycle == 1 else None
-        if probe and (probe not in self.futile or turn % (RARELY * len(fams)) < len(fams)):
+        probe = self._probed(turn, idle)
+        if probe and cycle == 1:
             return probe
+        if fams and set(fams) <= {*self.futile, *idle}:
+            link = self.single and cycle == PROBE_EVERY - 1 and self._probed(turn + 1, idle)
+            return "exact" if probe and cycle in (0, 2) or link else "choice"
         return "exact" if fams and (cycle in (0, 2) or self.choice[:2] == (1.0, 1.0)) else "choice"
+
+    def _probed(self, turn: int, idle: set) -> str | None:
+        """The family probed in a turn of PROBE_EVERY blocks (they take turns): one probed RARELY every RARELY-th turn
+        of its own, an idle one never."""
+        probe = self.families[turn % len(self.families)] if self.families else None
+        rare = probe in self.futile and turn % (RARELY * len(self.families)) >= len(self.families)
+        return None if probe in idle or rare else probe
 
     def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
         """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
@@ -74,51 +90,70 @@ class AutoKeepProbs(TrainerCallback):
         if micro_step == 0:
             self._decide(step)
         kind = self.kind(step)
-        self._buffered = self.single and kind != "choice"  # this step's gradient goes through the B / 2B buffer
+        self._measured = kind != "choice"  # (B / 2B: this step's gradient goes through the buffer)
         branch, position = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}.get(kind, self.choice[:2])
-        self._pairs, options = self._pairs + inputs["input_ids"].size(0) // 2, dict(base_options)
-        if self.args.branch_keep_prob == "auto":
-            overlap = pair_overlap(inputs["input_ids"], inputs["completion_mask"], inputs.get("attention_mask"))
-            options["branch_keep_prob"] = per_pair_branch_probs(overlap, float(branch))
+        pairs, options = inputs["input_ids"].size(0) // 2, dict(base_options)
+        self._pairs, self.prunes_branches = self._pairs + pairs, float(branch) < 1  # rank-identical (trainer: the plan
+        if self.args.branch_keep_prob == "auto":  # runs no frozen group at 1); per pair below 1: near-copies keep both
+            host = host_batch(inputs)  # (its host copy: no device read)
+            overlap = pair_overlap(host.input_ids, host.completion_mask, host.attention_mask) if branch < 1 else None
+            options["branch_keep_prob"] = 1.0 if overlap is None else per_pair_branch_probs(overlap, float(branch))
         if self.args.position_keep_prob == "auto":
             options["position_keep_prob"] = float(position)
-        logged = trainer._metrics["train"]
-        logged["prune/branch_keep_prob"].append(float(torch.as_tensor(options["branch_keep_prob"]).float().mean()))
-        logged["prune/position_keep_prob"].append(float(options["position_keep_prob"]))
-        logged["prune/auto_b_simple"].append(min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
+        kept = options["branch_keep_prob"]  # the run's values, reduced over ranks at the logging step (metrics.py)
+        log_run_mean(trainer, "prune/branch_keep_prob", float(kept.sum() if torch.is_tensor(kept) else kept * pairs),
+                     pairs)
+        log_run_mean(trainer, "prune/position_keep_prob", float(options["position_keep_prob"]))
+        log_run_mean(trainer, "prune/auto_b_simple", min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
         return options
 
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model
-        self._hook(p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh"))
-        if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):  # FSDP2: hook its unsharded parameters, which
-            self._hooks.append(model.register_forward_hook(lambda *_: self._hook(  # exist from the first forward on
-                fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")
+        params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh")]
+        if self.single:  # B / 2B: the step's gradient is the micro-batch's: `.grad`, read once, before clipping
+            self._params = params
+        else:  # the engine path: each micro-batch's local gradient, before accumulation and reduction
+            self._hook(params)
+        if not self.single and any(hasattr(m, "_get_fsdp_state") for m in model.modules()):  # FSDP2: hook its
+            self._hooks.append(model.register_forward_hook(lambda *_: self._hook(  # unsharded parameters, which exist
+                fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")  # from the first forward
                 for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", [])
                 if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad)))
         accelerator, clip = self.trainer.accelerator, self.trainer.accelerator.clip_grad_norm_
-        accelerator.clip_grad_norm_ = lambda *a, **k: setattr(self, "_clip", clip(*a, **k)) or self._clip
-        self._restore = lambda: setattr(accelerator, "clip_grad_norm_", clip)  # pre-clip, reduced, accumulated
+
+        def measured_clip(*a, **k):  # once a step (at max_norm inf without clipping): B / 2B reads the gradient first
+            if self.single and self._measured:
+                self._read_pair(self.trainer.state.global_step)
+            self._clip = clip(*a, **k)  # pre-clip, reduced, accumulated
+            return self._clip
+
+        accelerator.clip_grad_norm_ = measured_clip
+        self._restore = lambda: setattr(accelerator, "clip_grad_norm_", clip)
 
     def _hook(self, params):
-        for p in params:
-            if id(p) not in self._hooked:
-                self._hooked.add(id(p))
-                self._hooks.append(p.register_hook(lambda g, o=self._size: self._on_grad(g, o)))
-                self._size += p.numel()
+        for p in (p for p in params if id(p) not in self._hooked):
+            self._hooked.add(id(p))
+            self._hooks.append(p.register_hook(self._on_grad))
 
-    def _on_grad(self, grad, offset):
+    def _on_grad(self, grad):
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
-        grad, step = grad.detach(), self.trainer.state.global_step  # (no copy of the gradient, whatever its layout)
-        self._small = self._small + torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        if self._buffered:  # the first step of a pair keeps its gradient for the second (set once a step, in options)
-            if self._buffer is None:
-                self._buffer = torch.empty(self._size, dtype=grad.dtype, device=grad.device)
-            part = self._buffer[offset:offset + grad.numel()].view(grad.shape)
-            if self._held in (step - 1, step - 2):  # odd: with its pair's first step; even: with the previous pair's
-                self._dot = self._dot + torch.tensordot(grad.float(), part.float(), grad.dim())  # (the link, Eq. A4)
-            if step % 2 == 0:
-                part.copy_(grad)
+        if self._measured:
+            self._small = self._small + torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+
+    def _read_pair(self, step: int):
+        """B / 2B, before clipping, fused over the parameters: |g_(t-1) - g_t|² on a pair's second step, the
+        link |g_(t-2) - g_t|² on a first step (Eq. A4), from the one buffer; a first step's gradient kept in it."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]  # (unused: 0)
+        if self._buffer is None:
+            self._buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+            self._parts = [x.view(g.shape) for x, g in zip(self._buffer.split([g.numel() for g in grads]), grads)]
+        if self._held in (step - 1, step - 2):
+            torch._foreach_sub_(self._parts, grads)
+            self._diff = torch.stack(torch._foreach_norm(self._parts, dtype=torch.float32)).square().sum()
+            if step % 2:  # the pair's first gradient back: the next pair's first step links to it
+                torch._foreach_add_(self._parts, grads)
+        if step % 2 == 0:
+            torch._foreach_copy_(self._parts, grads)
 
     def on_substep_end(self, args, state, control, **kwargs):
         stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units: forward 1, backward 2
@@ -128,27 +163,29 @@ class AutoKeepProbs(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """One all-reduce of five scalars on every rank, every step (no sync here); read at the next decision."""
         self.on_substep_end(args, state, control)
+        if self.single:  # one micro-batch, one process: the pre-clip norm is its own gradient's
+            self._small = self._clip ** 2 if self._clip is not None else None
         trainer, device = self.trainer, self.trainer.accelerator.device
         accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
         local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
-                             for x in (self._small, self._pairs, self._work, self._dot, trainer._step_loss)])
+                             for x in (self._small, self._pairs, self._work, self._diff, trainer._step_loss)])
         local[0] *= accumulation ** 2
         clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
         self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
                          accumulation * trainer.accelerator.num_processes, clip)
-        self._held = state.global_step if self._buffered and state.global_step % 2 == 0 else self._held
-        self._small, self._dot, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
+        self._held = state.global_step if self._measured and state.global_step % 2 == 0 else self._held
+        self._small, self._diff, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
 
     def on_train_end(self, args, state, control, **kwargs):
         [handle.remove() for handle in self._hooks]
-        self._hooks, self._hooked, self._size, self._buffer = self._restore() or [], set(), 0, None
+        self._hooks, self._hooked, self._buffer, self._parts = self._restore() or [], set(), None, None
 
     def _fold(self):
         """The last step's norms into the running sums: per-step estimates of tr Σ (per kind) and |G|² (exact)."""
         if self._pending is None:
             return
         (step, totals, micro, clip), self._pending = self._pending, None
-        (small2, pairs, work, dot, loss), kind, sizes, drift = totals.tolist(), self.kind(step), None, 0.0
+        (small2, pairs, work, diff, loss), kind, sizes, drift = totals.tolist(), self.kind(step), None, 0.0
         self.curve.add(step, loss / (micro or 1))  # every kind of step: the loss's value is exact or unbiased
         if kind == "choice":
             return
@@ -156,7 +193,7 @@ class AutoKeepProbs(TrainerCallback):
         if not self.single and clip is not None:
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
         elif self.single:  # B and 2B pairs, and the drift between their two steps (None: not measured)
-            sizes, drift = self._paired.add(step, kind, small2, dot, pairs)
+            sizes, drift = self._paired.add(step, kind, small2, diff, pairs)
         if sizes is None or drift is None:  # B / 2B: a pair's first step, or a pair without its link
             return
         raw, raw_norm2 = trace_and_norm2(*sizes)  # B / 2B: b |g1 - g2|² / 2 = tr Σ + drift (A4)
@@ -170,19 +207,19 @@ class AutoKeepProbs(TrainerCallback):
         """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family
         that even the opposite (optimistic) bounds keep at p = 1 is probed RARELY until they no longer do."""
         self._fold()
-        s, ready = self.stats, [f for f in self.families if self.stats.count(f"ratio_{f}") >= MIN_SAMPLES - 0.1]
+        s, idle = self.stats, branch_idle(self.stats)  # an idle family is decided: p = 1
+        ready = [f for f in self.families if f in idle or s.count(f"ratio_{f}") >= MIN_SAMPLES - 0.1]
         half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
-        idle = {"branch"} if s.count("work_branch") > 1.9 and s.mean("work_branch", -UPPER_Z) > (  # near-copies:
-            1 - MIN_GAIN) * s.mean("work_exact") else set()  # no branch draw saves MIN_GAIN (90% sure)
-        self.futile = sorted({*self.futile, *idle})
         if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:  # decayed counts: 2 samples count 1.9995
             return
         (b_up, r), (b_low, r_low) = self._bounds(UPPER_Z, ready), self._bounds(-UPPER_Z, ready)
         room = [self.curve.room(step, self.trainer.state.max_steps, self.floor, z) for z in (UPPER_Z, -UPPER_Z)]
         pick = lambda b, r, room: choose(b, r.get("branch", 0.0), r.get("position", 0.0), self.batch,  # noqa: E731
-                                         self.head, "branch" in ready, "position" in ready, half, room)
+                                         self.head, "branch" in ready and not idle, "position" in ready, half, room)
         choice, hope = pick(b_up, r, room[0]), pick(b_low, r_low, room[1])
-        futile = sorted({*idle, *(f for f in ready if hope[("branch", "position").index(f)] == 1.0)})
+        futile = sorted(f for f in ready if f not in idle and hope[("branch", "position").index(f)] == 1.0)
+        if idle:  # (the reason's r of an idle family is not measured)
+            choice = (*choice[:3], choice[3] + f"; branch idle: a draw at 1/2 saves < {MIN_GAIN:.0%} of the work here")
         if (choice[:2], ready) != (self.choice[:2], (self.history or [{}])[-1].get("decided")) or step % 10 == 0:
             self.history.append({"step": step, "decided": ready, "b_simple": s.ratio("trace_exact", "norm2_exact",
                                  "cross_exact"), "b_simple_upper": b_up, "b_simple_lower": b_low, "r_branch":
@@ -195,5 +232,6 @@ class AutoKeepProbs(TrainerCallback):
         """B_simple and each family's r at their 90% bounds on the pruning-averse side (z < 0: the optimistic side);
         log(r + 1) from probes between exact blocks, its standard error at least the exact blocks' (ProbeLevels)."""
         spread = 1.5 * self.stats.mean("jitter") if "jitter" in self.stats.sums else 0.0  # one probe's variance
-        r = {f: max(math.exp(self.stats.mean(f"ratio_{f}", z, spread)) - 1, 0.0) for f in ready}
+        r = {f: max(math.exp(self.stats.mean(f"ratio_{f}", z, spread)) - 1, 0.0) for f in ready
+             if f"ratio_{f}" in self.stats.sums}
         return self.stats.ratio("trace_exact", "norm2_exact", "cross_exact", z), r

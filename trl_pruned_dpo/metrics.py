@@ -43,6 +43,13 @@ def _ratio_or_zero(num: int, den: int):
     return lambda t: t[num] / t[den] if t[den] > 0 else 0.0
 
 
+def log_run_mean(trainer, name: str, total: float, count: float = 1.0) -> None:
+    """Log `name` as the run's mean, total / count summed over every process (a host value of this micro-step: a
+    per-rank mean is `mean * count`). It rides in the micro-step's counts vector (`log_pruned_metrics`), gathered
+    with them at the logging step: the way TRL reduces its own metrics (gather, then mean), with no sync of its own."""
+    trainer.__dict__.setdefault("_run_means", []).append((name, float(total), float(count)))
+
+
 def log_pruned_metrics(trainer, per_token: dict) -> int:
     """Record this micro-step's counts on the device and append the `prune/` fractions (and TRL's token accuracy
     re-estimated from the scored positions) as pending entries. Returns the counts' row for `relabel_stock_metrics`."""
@@ -50,18 +57,24 @@ def log_pruned_metrics(trainer, per_token: dict) -> int:
     chosen_weights = masks.weights.chunk(2)[0]
     chosen_top1 = per_token["is_top1"].chunk(2)[0].float()
     device = trainer.accelerator.device
-    host = torch.tensor([stats[name] for name in _COUNTS] + [0.0, stats["chosen_response_positions"]],
-                        dtype=torch.float64)
+    if trainer._share_backend is not None:  # which execution the cost model picked (docs/method.md); host counts
+        shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
+        log_run_mean(trainer, "prune/pairs_shared", shared, shared + split)
+    means = trainer.__dict__.pop("_run_means", [])  # host values of the run's means (auto's choice), summed below
+    host = torch.tensor([stats[name] for name in _COUNTS] + [0.0, stats["chosen_response_positions"]]
+                        + [x for _, total, count in means for x in (total, count)], dtype=torch.float64)
     top1 = (chosen_top1 * chosen_weights).sum().double().reshape(1)
     counts = host.to(device, non_blocking=True)
-    counts = torch.cat([counts[:TOP1], top1.to(device), counts[CHOSEN:]])
+    counts = torch.cat([counts[:TOP1], top1.to(device), counts[CHOSEN:CHOSEN + 1]]), counts[CHOSEN + 1:]
     if args.prune_common_prefix:  # the sums `relabel_stock_metrics` needs ride along
         exact_w, exact_l = masks.exact.chunk(2)
         mean_logits_w, mean_logits_l = per_token["mean_logits"].chunk(2)
-        counts = torch.cat([counts, torch.stack([
+        counts = torch.cat([counts[0], torch.stack([
             per_token["entropy"].sum(), masks.exact.sum(),
             mean_logits_w.sum(), exact_w.sum(), mean_logits_l.sum(), exact_l.sum(),
-        ]).double().to(device)])
+        ]).double().to(device)]), counts[1]
+    first = counts[0].numel()  # the run's means after the counts (the same layout on every process)
+    counts = torch.cat(counts)
     pending = trainer.__dict__.setdefault("_pending_counts", [])
     pending.append(counts)
     row = len(pending) - 1
@@ -72,9 +85,8 @@ def log_pruned_metrics(trainer, per_token: dict) -> int:
     metrics["prune/tokens_executed"].append(Pending(row, _ratio(EXECUTED, FULL)))
     metrics["prune/tokens_backpropagated"].append(Pending(row, _ratio(GRAD_TOKENS, FULL)))
     metrics["prune/branches_backpropagated"].append(Pending(row, _ratio(GRAD_ROWS, ROWS)))
-    if trainer._share_backend is not None:  # which execution the cost model picked (docs/method.md); host counts
-        shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
-        metrics["prune/pairs_shared"].append(shared / max(shared + split, 1))
+    for i, (name, _, _) in enumerate(means):
+        metrics[name].append(Pending(row, _ratio_or_zero(first + 2 * i, first + 2 * i + 1)))
     return row
 
 
@@ -127,6 +139,6 @@ def flush(trainer) -> None:
 
 def discard_pending(trainer) -> None:
     """Forget unresolved values (a `train()` that raised left them): each new `train()` starts clean."""
-    trainer.__dict__["_pending_counts"] = []
+    trainer.__dict__["_pending_counts"], trainer.__dict__["_run_means"] = [], []
     for values in trainer._metrics["train"].values():
         values[:] = [v for v in values if not isinstance(v, Pending)]

@@ -13,7 +13,11 @@ Each private, and what pins it (a test that fails when the assumption breaks, no
   the resume tests require the logged figures after a resume to equal the uninterrupted run's;
 - `Trainer._maybe_log_save_evaluate(tr_loss, grad_norm, ...)` called positionally: checked at import, and
   tests/test_failures.py::test_guard_reads_the_step_gradient_norm (a NaN gradient norm must stop the run);
-- TRL's `_use_triton` switch of the fused head (`compact_lm_head`): `check_compact_lm_head`, once per process.
+- TRL's `_use_triton` switch of the fused head (`compact_lm_head`): `check_compact_lm_head`, once per process;
+- the fused head calling `trl.trainer.utils._ChunkedLogProbFunction.apply`, and
+  `trl.kernels.chunked_logprob._use_triton` telling where it folds in Triton (`compact_lm_head` slices the
+  positions elsewhere): tests/test_memory.py counts the rows of every head tile (test_head_tiles_are_bounded,
+  test_sliced_head_trains_exactly_as_stock).
 The tokenizer comes from the public `processing_class` (a processor's `.tokenizer`), never TRL's `_tokenizer`.
 """
 
@@ -25,6 +29,7 @@ from types import SimpleNamespace
 
 import torch
 import trl
+import trl.kernels.chunked_logprob as trl_head_kernel
 import trl.trainer.utils as trl_utils
 from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -172,20 +177,52 @@ def restore_logging_window(trainer, window: dict) -> bool:
     return True
 
 
+# Tokens x vocabulary columns of one call of TRL's head where it folds its tiles in torch (CPU): each of the ~11
+# temporaries its backward builds per tile (logits, probabilities, the gradient, ...) is then 8 MiB in fp32.
+HEAD_TILE_ELEMENTS = 2**21
+
+
+class _TokenSlicedHead:
+    """TRL's `ChunkedLogProbFunction` called on consecutive slices of the scored positions (docs/benchmarks.md,
+    "Where a step's memory goes").
+
+    TRL tiles the head by 4,096 positions, and where it has no Triton kernel (CPU) its forward and backward build each
+    (positions, vocab) tile and ~11 temporaries of that size in torch: with an 8k vocabulary ~1.45 GB once a step
+    scores 4,096 positions, the largest allocation of the step. Slicing the positions so that a tile holds at
+    most `HEAD_TILE_ELEMENTS` bounds it; each position's outputs are computed by the same kernel on the same row, so
+    only the order the weight gradient's terms are summed in changes (round-off). Triton devices fold in registers:
+    unchanged there."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, *rest):
+        call = self.function.apply
+        tokens = max(1, HEAD_TILE_ELEMENTS // min(weight.shape[0], chunk_size))
+        if trl_head_kernel._use_triton(hidden.device) or hidden.shape[0] <= tokens:
+            return call(hidden, weight, bias, targets, temperature, chunk_size, *rest)
+        parts = [call(h, weight, bias, t, temperature, chunk_size, *rest)
+                 for h, t in zip(hidden.split(tokens), targets.split(tokens))]
+        return tuple(None if part[0] is None else torch.cat(part) for part in zip(*parts))
+
+
 @contextmanager
 def compact_lm_head():
-    """Make TRL's fused LM head score only the labelled positions on every device.
+    """Make TRL's fused LM head score only the labelled positions on every device, in slices of bounded memory.
 
     TRL gathers the labelled hidden states before the head only on Triton devices and scores every position
     elsewhere (CPU included), so position pruning would save nothing there. The head's kernel itself is untouched:
-    the switch only selects `hidden_states[mask]` instead of all positions.
+    the switch only selects `hidden_states[mask]` instead of all positions, and `_TokenSlicedHead` calls the kernel on
+    slices of them.
     """
-    original = trl_utils._use_triton
+    original, function = trl_utils._use_triton, trl_utils._ChunkedLogProbFunction
     trl_utils._use_triton = lambda device: True
+    if not isinstance(function, _TokenSlicedHead):  # a nested block keeps the outer one's
+        trl_utils._ChunkedLogProbFunction = _TokenSlicedHead(function)
     try:
         yield
     finally:
-        trl_utils._use_triton = original
+        trl_utils._use_triton, trl_utils._ChunkedLogProbFunction = original, function
 
 
 class _HeadRows(TorchDispatchMode):

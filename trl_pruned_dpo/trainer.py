@@ -32,7 +32,7 @@ from .method.estimators import horvitz_thompson, scale_branch_gradient
 from .method import attention
 from .method.execute import run_group
 from .method.masks import PruneMasks, draw_masks, mask_generator
-from .method.plan import plan_policy, plan_reference, work_counts
+from .method.plan import plan_group, plan_policy, plan_reference, work_counts
 from .reference import (
     HOST_KEY, NON_MODEL_KEYS, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator,
 )
@@ -158,8 +158,11 @@ class PrunedDPOTrainer(DPOTrainer):
         return options
 
     def _prunes_branches(self) -> bool:
-        """Whether branch pruning can drop rows (a structural choice, the same on every process)."""
-        return self.args.branch_keep_prob == AUTO or self.args.branch_keep_prob < 1
+        """Whether branch pruning can drop rows (a structural choice, the same on every process; with "auto", this
+        step's: none where it keeps every branch, auto.py)."""
+        if self.args.branch_keep_prob == AUTO:
+            return self._auto_probs.prunes_branches
+        return self.args.branch_keep_prob < 1
 
     def _draw_masks(self, inputs) -> PruneMasks:
         """This micro-step's masks, drawn on the host from the batch's token layout (no device sync), from a generator
@@ -173,27 +176,79 @@ class PrunedDPOTrainer(DPOTrainer):
                           attention_mask=host.attention_mask)
 
     _packed = False  # whether the forward runs packed (padding_free / share_prompt on a model the packed path takes)
+    _unproven: list = []  # models whose family no test proves exact: checked on the first packed batch
 
     def _shared_prompt_backend(self) -> str | None:
-        """The layout, once: packed (`padding_free`/`share_prompt` on a model `attention.unsupported_reason` allows) or
-        padded (said once). Returns the packed attention when prompts are shared, else None."""
+        """The layout, once: packed (`padding_free`/`share_prompt` on models `attention.packed_verdict` allows; a family
+        outside the tested table only after `_check_packed` agrees on the first batch) or padded (said once). Returns
+        the packed attention when prompts are shared, else None."""
         args = self.args
+        if self.aux_loss_enabled and args.prune_common_prefix:  # exact by claim, and it could not be: refuse
+            raise ValueError("prune_common_prefix cannot be exact with the MoE router auxiliary loss "
+                             "(output_router_logits=True): stock's router loss counts every token of every row, and "
+                             "the common prefix's rows and positions do not run; turn one of them off.")
         if not any(getattr(args, name, False) for name in EXACT_SAVINGS):
             return None
         models = [self.accelerator.unwrap_model(m) for m in (self.model, self.ref_model) if m is not None]
         models = [m.get_base_model() if is_peft_model(m) else m for m in models]
-        reasons = [attention.unsupported_reason(model, args.max_length) for model in models]
-        reason = next(filter(None, reasons), None)
-        if self.aux_loss_enabled or reason:
-            self._stock_reason = _without_savings(args, "the MoE router auxiliary loss needs the padded batch"
-                                                  if self.aux_loss_enabled else reason)
+        verdicts = [attention.packed_verdict(model) for model in models]
+        reason = next((v for v in verdicts if v not in (None, attention.CHECK)), None)
+        if self.aux_loss_enabled and not reason:  # stock's router loss counts every padded row's tokens; a packed row
+            reason = "the MoE router auxiliary loss needs the padded batch"  # counts a shared prompt once
+            if args.pruning_enabled:
+                reason += " (with pruning on, the router loss is the backpropagated rows' own, over their tokens run)"
+        if reason:
+            self._stock_reason = _without_savings(args, reason)
             return None
         self._packed, self._packed_models = True, models
+        self._unproven = [m for m, v in zip(models, verdicts) if v == attention.CHECK]
         return attention.PACKED if args.share_prompt else None
+
+    def _check_packed(self, inputs) -> None:
+        """Once, on the first packed batch, for a family outside the tested table: the packed and the padded per-token
+        log-probs of a few pairs, no grad; packed from then on only if they agree to round-off (1e-4 in float32, 5e-2
+        in half precision, absolute), else one line naming the largest difference and padded (or stock's) forwards.
+        Every process runs it and takes the worst (the same layout everywhere)."""
+        unproven, self._unproven = self._unproven, []
+        host = host_batch(inputs)
+        rows, pairs = host.input_ids.size(0), min(2, host.input_ids.size(0) // 2)
+        run = (torch.arange(rows) % (rows // 2)) < pairs
+        scored = host.completion_mask[:, 1:].bool() & run[:, None]
+        share = torch.full((rows // 2,), self._share_backend is not None)
+        worst, where, failure = torch.zeros((), device=inputs["input_ids"].device), "", None
+        for model in unproven:
+            outputs = []
+            try:
+                for packed in (False, True):
+                    attention.use_packed(self._packed_models, packed)
+                    group = plan_group(host, scored, run, share, packed)
+                    with no_grad_block(self.model, self.args.gradient_checkpointing_kwargs), compact_lm_head():
+                        outputs.append(run_group(model, group, ("log_probs",), inputs, NON_MODEL_KEYS)[0]["log_probs"])
+            except Exception as error:  # noqa: BLE001 - a model the packed forward cannot run: padded, said why
+                failure, where = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", \
+                    model.config.model_type
+                worst = torch.full_like(worst, float("inf"))
+                break
+            difference = (outputs[1].float() - outputs[0].float()).abs().max().nan_to_num(nan=float("inf"))
+            if difference > worst:
+                worst, where = difference, model.config.model_type
+        worst = self.accelerator.reduce(worst, reduction="max")
+        tolerance = 1e-4 if next(unproven[0].parameters()).dtype in (torch.float32, torch.float64) else 5e-2
+        if float(worst) <= tolerance:
+            return
+        self._packed, self._share_backend = False, None
+        attention.use_packed(self._packed_models, packed=False)
+        found = (f"the packed forward failed ({failure})" if failure else
+                 f"the packed per-token log-probs differ from the padded ones by {float(worst):.2g} (> {tolerance:g})")
+        self._stock_reason = _without_savings(self.args, f"its family ({where or 'on another process'}) is not one a "
+                                              f"test proves exact, and on the first batch {found}")
 
     def _layout(self, inputs) -> tuple[bool, bool]:
         """(packed, share) for this batch: a batch with per-token inputs other than token ids runs padded."""
         packed = self._packed and not (set(inputs) - _SHAREABLE_KEYS)
+        if packed and self._unproven:  # the first packed batch of a family outside the tested table (also when it is
+            self._check_packed(inputs)  # the reference precompute's)
+            packed = self._packed
         if packed:  # kept until the trainer's next stock forward: checkpointing recomputes in the backward
             attention.use_packed(self._packed_models)
         return packed, packed and self._share_backend is not None

@@ -11,6 +11,8 @@ trainers: the import and start-up cost is paid once). Each run is a dict:
     reference   "model" (a separate in-memory reference), "peft" (LoRA policy, reference = adapter disabled) or
                 "precompute" (a separate reference, `precompute_ref_log_probs=True`)
     config      overrides of the config fields below (e.g. branch_keep_prob, gradient_accumulation_steps)
+    data        "shared" (default: one dataset, sharded across ranks by the sampler) or "per-rank" (rank 0 holds
+                near-copy pairs only, every other rank dissimilar pairs only: the ranks' batches differ in kind)
     resume      optional checkpoint folder, relative to DIR, to resume from
 
 Per run and rank it writes DIR/<name>/rank<r>.json (engine, log history, training loss, every mask draw with the
@@ -77,12 +79,22 @@ def build(run: dict, out: Path, tokenizer, dataset):
                        processing_class=tokenizer)
 
 
+def dissimilar_rows(n: int = 16):
+    """Pairs whose rejected answer shares no start with the chosen one (reversed, plus a tail)."""
+    return [{**r, "rejected": r["rejected"][::-1] + "xyz"} for r in preference_rows(n)]
+
+
 def record_draws(trainer) -> list:
-    """Wrap the trainer's mask draw to keep, per micro-step, the masks and the batch they were drawn for."""
+    """Wrap the trainer's mask draw to keep, per micro-step, the masks, the batch they were drawn for and the keep
+    probabilities drawn with (this rank's mean over its pairs)."""
     draws = []
     if not hasattr(trainer, "_draw_masks"):
         return draws
-    draw = trainer._draw_masks
+    draw, options, drawn = trainer._draw_masks, trainer._mask_options, {}
+
+    def recording_options(inputs=None):
+        drawn.update(options(inputs))
+        return drawn
 
     def recording(inputs):
         masks = draw(inputs)
@@ -94,10 +106,12 @@ def record_draws(trainer) -> list:
             "completion_mask": inputs["completion_mask"].tolist(),
             "scored": masks.scored.int().tolist(),
             "backprop": masks.backprop.int().tolist(),
+            **{key: float(torch.as_tensor(drawn[key], dtype=torch.float64).mean())
+               for key in ("branch_keep_prob", "position_keep_prob")},
         })
         return masks
 
-    trainer._draw_masks = recording
+    trainer._draw_masks, trainer._mask_options = recording, recording_options
     return draws
 
 
@@ -168,8 +182,10 @@ def main():
     runs = json.loads(Path(cli.spec).read_text())
     tokenizer = char_tokenizer()
     dataset = Dataset.from_list(preference_rows(16))
+    rank = int(os.environ.get("RANK", "0"))  # set by `accelerate launch`
+    per_rank = Dataset.from_list(preference_rows(16) if rank == 0 else dissimilar_rows(16))
     for run in runs:
-        trainer = build(run, out, tokenizer, dataset)
+        trainer = build(run, out, tokenizer, per_rank if run.get("data") == "per-rank" else dataset)
         draws = record_draws(trainer)
         folder = out / run["name"]
         folder.mkdir(parents=True, exist_ok=True)

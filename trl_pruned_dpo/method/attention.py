@@ -8,10 +8,16 @@ disagrees, SDPA per segment over the same metadata: cost Σ queries × keys, nev
 kwarg, so gradient checkpointing's replay of a layer sees it. `use_packed` names `PACKED` in the configs until undone
 (at the trainer's next stock forward, or the end of `train()`): the replay runs in the backward and reads the config
 then; meanwhile a call without the metadata (generation, a callback) gets the user's own attention and mask.
-Relies on transformers' `config._attn_implementation` and each model file's `eager_attention_forward` (pinned by
-tests/test_packed_kernels.py).
+Windows, soft-capping, sinks (docs/method.md, "Windows, soft-capping, sinks, families"): inside a packed forward the
+mask builders return a `PackedMask` (the layer's sliding window, as stock's mask would apply it, and the metadata), so
+each layer type gets its own window; `softcap` and `s_aux` arrive as the model passes them. The kernel check is keyed
+per variant. Which models pack: `packed_verdict` (the tested table `EXACT_FAMILIES`, properties of the config and the
+model file; any other family is checked by the trainer on its first batch).
+Relies on transformers' `config._attn_implementation`, the mask builders' `local_size` and each model file's
+`eager_attention_forward` (pinned by tests/test_packed_kernels.py and the exactness matrix).
 """
 
+import dataclasses
 import importlib.util
 import inspect
 import sys
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -29,7 +36,7 @@ PACKED = "trl_pruned_dpo_packed"
 PACKING_KWARG = "pruned_dpo_packing"
 
 _users_backend: dict[int, tuple[object, str]] = {}  # id(config) -> (config, the implementation the user loaded)
-_packing_depth = 0  # > 0 inside a packed forward: its mask is never built
+_packings: list = []  # the packed forwards running (innermost last): their masks are never built
 
 
 @dataclass
@@ -54,8 +61,37 @@ except ImportError:  # torch < 2.10: the per-segment path everywhere
     varlen_attn = None
 
 
-def _per_segment(query, key, value, packing: Packing, scaling):
-    """SDPA segment by segment: queries (T, H, D), gathered keys/values (K, Hkv, D); lower-right causal."""
+@dataclass(frozen=True)
+class Variant:
+    """What a layer's scores carry beyond q·k and the causal order, as the model passes it to its attention: a sliding
+    `window` (query at position p sees keys at positions p - window + 1 .. p, stock's `sliding_window_overlay`),
+    tanh soft-capping of the scores (`softcap`, Gemma 2), a learned per-head sink logit (`sinks`, GPT-OSS's `s_aux`)."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+
+FULL = Variant()
+
+
+class PackedMask:
+    """What transformers' mask builders return inside a packed forward, in place of a mask: the layer's sliding window
+    (`local_size`, which `create_sliding_window_causal_mask` passes), None for a causal layer, and the forward's
+    packing. The model hands it to its attention as `attention_mask`, per layer type, so each layer gets the window
+    stock's own mask would have; gradient checkpointing saves it with the layer's inputs, so a replay gets it too."""
+
+    def __init__(self, window: int | None, packing=None):
+        self.window, self.packing = window, packing
+
+
+def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant = FULL, sinks=None):
+    """SDPA segment by segment: queries (T, H, D), gathered keys/values (K, Hkv, D); lower-right causal, banded to the
+    variant's window in position space; soft-capped or with sinks: the eager formula of the model files.
+
+    SDPA gets batched 4D inputs (1, H, L, D): only then does it take its fused kernels (on CPU the flash kernel, which
+    keeps a logsumexp per query for the backward); 3D ones run the math path, which keeps lq x lk scores and
+    probabilities per head (docs/benchmarks.md, "Where a step's memory goes")."""
     out = torch.empty_like(query)
     gqa = query.size(1) != key.size(1)
     q0s, k0s = packing.host_q, packing.host_k
@@ -63,56 +99,104 @@ def _per_segment(query, key, value, packing: Packing, scaling):
         q0, q1, k0, k1 = q0s[s], q0s[s + 1], k0s[s], k0s[s + 1]
         lq, lk = q1 - q0, k1 - k0
         q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
-        if lq == lk:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
-        else:
+        banded = variant.window is not None and variant.window < lk
+        if variant.softcap is None and sinks is None and lq == lk and not banded:
+            o = _sdpa(q, k, v, scaling, gqa, is_causal=True)
+        else:  # this segment's own lq x lk mask (SDPA keeps it, as floats, for the backward: one per segment, not head)
             visible = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa)
+            if banded:  # key j sits at position j, query i at lk - lq + i (the branch's keys start at its position 0)
+                visible &= ~torch.ones_like(visible).tril(lk - lq - variant.window)
+            if variant.softcap is None and sinks is None:
+                o = _sdpa(q, k, v, scaling, gqa, attn_mask=visible)
+            else:
+                o = _eager(q, k, v, visible, scaling, variant.softcap, sinks)
         out[q0:q1] = o.transpose(0, 1)
     return out
 
 
-def _torch_varlen(q, k, v, packing: Packing, scaling):
+def _sdpa(q, k, v, scaling, gqa, **mask):
+    """SDPA on one segment's (H|Hkv, l, D) inputs, batched to 4D (its fused kernels; see `_per_segment`)."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling, enable_gqa=gqa, **mask)[0]
+
+
+def _eager(q, k, v, visible, scaling, softcap, sinks):
+    """(H, lq, D) from (H|Hkv, l, D): the model files' eager attention: tanh-capped scores (Gemma 2), a sink logit per
+    head joining the softmax and dropped after it (GPT-OSS)."""
+    group = q.size(0) // k.size(0)
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    scores = q @ k.transpose(1, 2) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:  # softmax in float32, as Gemma 2's eager attention
+        return scores.softmax(-1, dtype=torch.float32).to(v.dtype) @ v
+    logits = torch.cat([scores, sinks.reshape(-1, 1, 1).expand(-1, scores.size(1), 1).to(scores.dtype)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return logits.softmax(-1, dtype=torch.float32)[..., :-1].to(v.dtype) @ v
+
+
+def _left(variant: Variant) -> int:  # the varlen kernels' left window: keys up to window - 1 positions back
+    return -1 if variant.window is None else variant.window - 1
+
+
+def _torch_varlen(q, k, v, packing: Packing, scaling, variant: Variant = FULL):
     gqa = q.size(1) // k.size(1)
     if gqa > 1 and "enable_gqa" not in _PARAMS:
         k, v = k.repeat_interleave(gqa, dim=1), v.repeat_interleave(gqa, dim=1)
+    causal = {"window_size": (_left(variant), 0)} if "window_size" in _PARAMS else _CAUSAL
     return varlen_attn(q.contiguous(), k, v, packing.cu_seq_q, packing.cu_seq_k, packing.max_q, packing.max_k,
-                       scale=scaling, **_CAUSAL, **({"enable_gqa": gqa > 1} if "enable_gqa" in _PARAMS else {}))
+                       scale=scaling, **causal, **({"enable_gqa": gqa > 1} if "enable_gqa" in _PARAMS else {}))
 
 
-def _flash_attn_varlen(q, k, v, packing: Packing, scaling):  # flash_attn >= 2.1: causal is lower-right, GQA native
+def _flash_attn_varlen(q, k, v, packing: Packing, scaling, variant: Variant = FULL):
+    """flash_attn >= 2.1: causal is lower-right, GQA native; window_size (2.3) and softcap (2.6) only when asked."""
     from flash_attn import flash_attn_varlen_func
 
+    extra = {"window_size": (_left(variant), 0)} if variant.window is not None else {}
+    if variant.softcap is not None:
+        extra["softcap"] = variant.softcap
     return flash_attn_varlen_func(q.contiguous(), k, v, packing.cu_seq_q, packing.cu_seq_k, packing.max_q,
-                                  packing.max_k, softmax_scale=scaling, causal=True)
+                                  packing.max_k, softmax_scale=scaling, causal=True, **extra)
 
 
 FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None  # once: `_kernel` runs in every layer
-_VERIFIED: dict[tuple, bool] = {}  # (kernel, device, dtype, heads, kv heads, head dim) -> agrees with the reference
+# (kernel, device, dtype, heads, kv heads, head dim, variant) -> agrees with the reference
+_VERIFIED: dict[tuple, bool] = {}
 
 
 def _on_kernel(q) -> bool:
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def _kernel(q, k, backend: str):
+def _expresses(kernel, variant: Variant) -> bool:
+    """Whether the kernel takes the variant at all: sinks neither; soft-capping flash_attn's only; a window where the
+    kernel has `window_size` (torch's varlen_attn with it, flash_attn's)."""
+    if variant.sinks or (variant.softcap is not None and kernel is not _flash_attn_varlen):
+        return False
+    return variant.window is None or kernel is _flash_attn_varlen or "window_size" in _PARAMS
+
+
+def _kernel(q, k, backend: str, variant: Variant = FULL):
     """The varlen kernel for this forward, or None (SDPA per segment): flash_attn's where the user loaded
-    flash_attention_2 and it is installed, else torch's; each used only once `_verify` has found it exact."""
+    flash_attention_2 and it is installed, else torch's; each used only once `_verify` has found it exact for this
+    variant (window, soft-cap) and shape (heads, kv heads: GQA), so a kernel wrong on one variant serves the others."""
     if not _on_kernel(q):
         return None
     flash = backend == "flash_attention_2" and FLASH_ATTN_INSTALLED
     kernel = _flash_attn_varlen if flash else _torch_varlen if varlen_attn is not None else None
-    key = (kernel, q.device, q.dtype, q.size(1), k.size(1), q.size(2))
-    if kernel is not None and key not in _VERIFIED:
-        _VERIFIED[key] = _verify(kernel, q.size(1), k.size(1), q.size(2), q.device, q.dtype)
-    return kernel if _VERIFIED.get(key) else None
+    if kernel is None or not _expresses(kernel, variant):
+        return None
+    key = (kernel, q.device, q.dtype, q.size(1), k.size(1), q.size(2), variant)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _verify(kernel, q.size(1), k.size(1), q.size(2), q.device, q.dtype, variant)
+    return kernel if _VERIFIED[key] else None
 
 
-def _verify(kernel, heads: int, kv_heads: int, dim: int, device, dtype) -> bool:
+def _verify(kernel, heads: int, kv_heads: int, dim: int, device, dtype, variant: Variant = FULL) -> bool:
     """The kernel against SDPA per segment on random segments (shared keys before the queries, and none), forward and
-    backward, once per shape: exact if its error from the fp32 reference is at most twice SDPA's own in `dtype` plus
-    4 ulp (flash-attention's own test rule; 1e-5 in float32). A kernel that disagrees or fails is not used, said in
-    one line."""
+    backward, once per shape and variant: exact if its error from the fp32 reference is at most twice SDPA's own in
+    `dtype` plus 4 ulp (flash-attention's own test rule; 1e-5 in float32). A kernel that disagrees or fails is not
+    used for that variant, said in one line."""
     q_lens, k_lens = [1, 17, 64, 5, 30], [40, 17, 100, 5, 31]  # a query block aligned at the end of its keys
     host_q, host_k = [0, *torch.tensor(q_lens).cumsum(0).tolist()], [0, *torch.tensor(k_lens).cumsum(0).tolist()]
     to = dict(device=device, dtype=torch.int32)
@@ -126,40 +210,53 @@ def _verify(kernel, heads: int, kv_heads: int, dim: int, device, dtype) -> bool:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
                 torch.autocast(device.type, enabled=False):  # outside any checkpointing or autocast of the caller
             q, k, v = (x.to(device, precision).requires_grad_() for x in fp32[:3])
-            out = fn(q, k, v, packing, dim ** -0.5)
+            out = fn(q, k, v, packing, dim ** -0.5, variant)
             grads = torch.autograd.grad(out, (q, k, v), fp32[3].to(device, precision))
-        return [x.float().cpu() for x in (out, *grads)]
+        return [x.detach().float().cpu() for x in (out, *grads)]
 
     def error(result):
         return max(float((x - r).abs().max() / r.abs().max().clamp(min=1e-12)) for x, r in zip(result, reference))
 
-    reference = run(_per_segment, torch.float32)
+    with sdpa_kernel(SDPBackend.MATH):  # the reference is the textbook formula (exact zeros where the math has them)
+        reference = run(_per_segment, torch.float32)
     try:
         ulp = max(4 * torch.finfo(dtype).eps, 1e-5)
-        found, bound = error(run(kernel, dtype)), 2 * error(run(_per_segment, dtype)) + ulp
+        with sdpa_kernel(SDPBackend.MATH):
+            own = error(run(_per_segment, dtype))
+        found, bound = error(run(kernel, dtype)), 2 * own + ulp
     except Exception as failure:  # noqa: BLE001 - any failure of the kernel means: not this kernel
         found, bound = failure, None
     if bound is not None and found <= bound:
         return True
     why = f"relative error {found:.2g} > {bound:.2g}" if bound is not None else f"{type(found).__name__}: {found}"
+    asked = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(variant).items() if v not in (None, False))
     warnings.warn(f"{kernel.__name__.strip('_')} disagrees with SDPA on {device} {dtype} ({heads} heads, {kv_heads} kv "
-                  f"heads, dim {dim}; {why}): the packed attention runs SDPA per segment (exact, slower).",
-                  stacklevel=2)
+                  f"heads, dim {dim}{', ' + asked if asked else ''}; {why}): the packed attention runs SDPA per segment "
+                  "there (exact, slower).", stacklevel=2)
     return False
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query (1, H, T, D), key/value (1, Hkv, T, D) -> ((1, T, H, D), None)."""
     packing = kwargs.pop(PACKING_KWARG, None)
-    if packing is None and _packing_depth:  # a model that drops its kwargs: never run packed and wrong
+    if packing is None and isinstance(attention_mask, PackedMask):  # a layer that passes on its mask, not its kwargs
+        packing = attention_mask.packing
+    if packing is None and _packings:  # a model that drops both: never run packed and wrong
         raise RuntimeError(f"{type(module).__name__} did not pass the packed metadata to its attention")
     if packing is None:  # not a packed forward: the user's own backend, unchanged
         return _users_attention(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                         **kwargs)
+    sinks = kwargs.get("s_aux")
+    window = attention_mask.window if isinstance(attention_mask, PackedMask) else None
+    if window is not None and window >= packing.max_k:  # wider than every segment: plain causal (the same kernel)
+        window = None
+    variant = Variant(window, kwargs.get("softcap"), sinks is not None)
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     k, v = k.index_select(0, packing.kv_index), v.index_select(0, packing.kv_index)
-    kernel = _kernel(q, k, _users(getattr(module, "config", None))) or _per_segment
-    return kernel(q, k, v, packing, scaling).unsqueeze(0), None
+    kernel = _kernel(q, k, _users(getattr(module, "config", None)), variant)
+    if kernel is None:
+        return _per_segment(q, k, v, packing, scaling, variant, sinks).unsqueeze(0), None
+    return kernel(q, k, v, packing, scaling, variant).unsqueeze(0), None
 
 
 def _users(config) -> str:
@@ -172,9 +269,11 @@ def _users_attention(module):  # eager: each model file's own function
 
 
 def _packed_mask(*args, **kwargs):
-    """No mask inside a packed forward (the metadata is the mask); the user's backend's mask otherwise."""
-    return None if _packing_depth else ALL_MASK_ATTENTION_FUNCTIONS[_users(kwargs.get("config"))](
-        *args, **kwargs)
+    """No mask inside a packed forward (the metadata is the mask; the sliding window, if any, rides along as a
+    `PackedMask`); the user's backend's mask otherwise."""
+    if _packings:
+        return PackedMask(kwargs.get("local_size"), _packings[-1])
+    return ALL_MASK_ATTENTION_FUNCTIONS[_users(kwargs.get("config"))](*args, **kwargs)
 
 
 AttentionInterface.register(PACKED, packed_attention)
@@ -192,36 +291,95 @@ def use_packed(models, packed: bool = True) -> None:
 
 
 @contextmanager
-def packed_forward():
-    """Marks a packed forward: its attention mask is never built."""
-    global _packing_depth
-    _packing_depth += 1
+def packed_forward(packing: Packing | None = None):
+    """Marks a packed forward: its attention mask is never built; its mask builders return `PackedMask`s carrying
+    `packing` (for models whose layers pass the mask but not their kwargs on to the attention)."""
+    _packings.append(packing)
     try:
         yield
     finally:
-        _packing_depth -= 1
+        _packings.pop()
 
 
-EXACT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt_neox")  # each proven exact by tests/test_packed.py
+# The families tests/test_exactness_matrix.py proves exact packed against stock DPOTrainer (every setting it runs: share
+# and padding-free, with and without the common prefix, checkpointing on and off); what makes each one more than Llama
+# is named, since that is what the test covers. Another family with attention through transformers' interface runs
+# packed only after the trainer's first-batch check (`needs_check`).
+EXACT_FAMILIES: dict[str, str] = {
+    "llama": "rotary", "qwen2": "GQA; sliding layers (layer_types)", "qwen3": "QK-norm",
+    "mistral": "a sliding window of any width", "ministral": "sliding window", "mixtral": "MoE",
+    "qwen2_moe": "MoE with a shared expert; sliding layers by mask only", "qwen3_moe": "MoE; QK-norm",
+    "deepseek_v3": "MoE; multi-head latent attention", "gpt_oss": "MoE; attention sinks (s_aux); sliding layers",
+    "olmoe": "MoE; QK-norm", "jetmoe": "MoE attention and MLP", "gemma": "scaled embeddings",
+    "gemma2": "soft-capped scores (eager) and logits; sliding layers", "gemma3_text": "sliding layers; QK-norm",
+    "vaultgemma": "soft-capping; sliding layers", "cohere": "parallel block; logit scale",
+    "cohere2": "sliding layers; NoPE full layers", "olmo": "clipped QKV", "olmo2": "QK-norm",
+    "olmo3": "sliding layers; QK-norm", "granite": "residual / attention / logit multipliers",
+    "smollm3": "NoPE layers", "stablelm": "partial rotary", "phi": "partial rotary; parallel block",
+    "phi3": "sliding window", "persimmon": "partial rotary; QK layer-norm", "starcoder2": "sliding window",
+    "nemotron": "partial rotary", "exaone4": "sliding layers; QK-norm", "gpt2": "learned absolute positions",
+    "gptj": "partial interleaved rotary", "codegen": "partial rotary; fused QKV", "biogpt": "learned positions",
+    "gpt_bigcode": "multi-query attention; learned positions", "opt": "positions from the mask in stock",
+    "gpt_neox": "partial rotary", "glm": "partial interleaved rotary", "glm4": "partial rotary; post-norms",
+    "helium": "rotary", "seed_oss": "attention biases", "arcee": "ReLU² MLP", "hunyuan_v1_dense": "QK-norm",
+    "ernie4_5": "interleaved rotary", "bitnet": "ternary linear layers", "diffllama": "differential attention",
+    "phimoe": "MoE (sparsemixer); sliding window by mask only", "granitemoe": "MoE; multipliers",
+    "granitemoeshared": "MoE with a shared expert",
+}
+
+# Layers that carry a recurrent or convolutional state across positions: a packed row would carry it from one segment
+# into the next, so these never run packed (and are not checked).
+RECURRENT_FAMILIES = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "falcon_h1", "jamba", "bamba", "zamba", "zamba2", "nemotron_h", "lfm2",
+    "lfm2_moe", "recurrent_gemma", "qwen3_next", "granitemoehybrid", "minimax", "rwkv", "xlstm", "kimi_linear",
+    "olmo_hybrid", "bailing_hybrid", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+})
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})  # `layer_types` entries the packed path can run
+ALIBI_FAMILIES = frozenset({"bloom", "mpt"})  # ALiBi always (Falcon: where `config.alibi`)
+CHECK = "check"  # `packed_verdict`: run packed only after the first-batch check
 
 
-def unsupported_reason(model, max_length: int | None) -> str | None:
-    """Why `model`'s attention cannot run packed exactly (None if it can), from its config: the property that forbids
-    it, named, else whether its family is one a test proves exact (the allowlist)."""
+def _recurrent(config) -> str | None:
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS)
+    if config.model_type in RECURRENT_FAMILIES or other:
+        return f"its layers keep a recurrent or convolutional state ({config.model_type}{': ' if other else ''}" \
+               f"{', '.join(other)})"
+    return None
+
+
+def _routes_attention(model) -> bool:
+    """Whether the model file calls transformers' attention interface (where the packed attention plugs in): the files
+    of the model's classes (FSDP2 subclasses the model's class in a torch module); none readable: the first-batch
+    check decides."""
+    from transformers import PreTrainedModel
+
+    read = False
+    for cls in type(model).__mro__:
+        if not issubclass(cls, PreTrainedModel) or cls is PreTrainedModel:  # its own file names the interface
+            continue
+        try:
+            source = inspect.getsource(sys.modules[cls.__module__])
+        except (OSError, TypeError, KeyError):
+            continue
+        read = True
+        if "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source:
+            return True
+    return not read
+
+
+def packed_verdict(model) -> str | None:
+    """None: `model` runs packed (its family is proven exact); `CHECK`: runs packed once the trainer's first-batch
+    check agrees; otherwise why it cannot run packed, from its config and its model file (one line)."""
     c = model.config
-    kind, window = getattr(c, "model_type", None), getattr(c, "sliding_window", None)
-    other = sorted(set(getattr(c, "layer_types", None) or ()) - {"full_attention"})
-    capped = [f"{n}={getattr(c, n)}" for n in ("attn_logit_softcapping", "final_logit_softcapping")
-              if getattr(c, n, None) is not None]
+    kind = getattr(c, "model_type", None)
     checks = [
-        (getattr(c, "alibi", False) or kind in ("bloom", "mpt"), "its attention scores carry ALiBi biases"),
-        (capped, f"its scores are soft-capped ({', '.join(capped)})"),
-        (other, f"it has {other} layers"),
-        (window is not None and getattr(c, "use_sliding_window", True) and (max_length is None or window < max_length),
-         f"its sliding attention window ({window}) is shorter than a row (max_length={max_length})"),
-        (kind == "opt", "its positions are derived from the attention mask"),
+        (_recurrent(c), _recurrent(c)),
+        (getattr(c, "alibi", False) or kind in ALIBI_FAMILIES, "its attention scores carry ALiBi biases, computed in "
+                                                               "its own attention module (no packed metadata there)"),
+        (getattr(c, "attention_chunk_size", None), "its attention is chunked (attention_chunk_size)"),
         (getattr(c, "attention_dropout", 0.0) or getattr(c, "attn_pdrop", 0.0), "it uses attention dropout"),
-        (kind not in EXACT_FAMILIES, f"its architecture ({kind}) is not one a test proves exact packed "
-                                     f"({', '.join(EXACT_FAMILIES)})"),
+        (not _routes_attention(model), f"its attention ({kind}) does not go through transformers' attention "
+                                       "interface, where the packed attention plugs in"),
     ]
-    return next((why for bad, why in checks if bad), None)
+    reason = next((why for bad, why in checks if bad), None)
+    return reason if reason else None if kind in EXACT_FAMILIES else CHECK

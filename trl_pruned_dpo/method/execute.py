@@ -36,7 +36,7 @@ def run_group(model, group: PackedGroup, fields: tuple[str, ...], inputs: dict, 
     if group.rows is None:
         packing = Packing(group.cu_seq_q.to(**to), group.cu_seq_k.to(**to), group.kv_index.to(**to), group.max_q,
                           group.max_k, *group.bounds)
-        with packed_forward():
+        with packed_forward(packing):
             outputs = model(input_ids=group.input_ids.to(**to), position_ids=group.position_ids.to(**to),
                             shift_labels=group.shift_labels.to(**to), use_cache=False, fused_lm_head=True,
                             **{PACKING_KWARG: packing}, **model_kwargs)

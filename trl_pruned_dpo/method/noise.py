@@ -68,23 +68,24 @@ class PairedSteps:
     first pair after it (its link's gradient is not saved)."""
 
     def __init__(self, carried: float | None = None):
-        self.first, self.last = None, None  # [|g_t|², t, kind, link] of a pair's first step; [t, |g_t|², within]
+        self.first, self.last = None, None  # [|g_t|², t, kind, link] of a pair's first step; [t, within]
         self.carried, self.latest = carried, None
 
-    def add(self, step: int, kind: str, small2: float, dot: float, pairs: float):
-        """A step's |g|² and its dot with the pair's first step (on a first step: with the previous pair's) -> (the
-        four arguments of trace_and_norm2, the drift in tr Σ's units or None) once a pair is whole."""
+    def add(self, step: int, kind: str, small2: float, diff2: float, pairs: float):
+        """A step's |g|² and its squared distance to the pair's first step (on a first step: to the previous pair's,
+        the link) -> (the four arguments of trace_and_norm2, the drift in tr Σ's units or None) once a pair is
+        whole."""
         if step % 2 == 0:
-            link = self.last[1] + small2 - 2 * dot if self.last and self.last[0] == step - 2 else None
+            link = diff2 if self.last and self.last[0] == step - 2 else None
             self.first = [small2, step, kind, link]
             return None, None
         if self.first is None or self.first[1:3] != [step - 1, kind]:
             return None, None
         (first, _, _, link), self.first = self.first, None
-        within = first + small2 - 2 * dot  # |g_t - g_(t+1)|²
-        drift = self.carried if link is None else pairs * pair_drift(link, self.last[2], within) / 2
-        self.last, self.carried, self.latest = [step - 1, first, within], None, drift
-        return ((first + small2) / 2, (first + small2 + 2 * dot) / 4, pairs, 2 * pairs), drift
+        within = diff2  # |g_t - g_(t+1)|²; |g_t + g_(t+1)|² = 2 |g_t|² + 2 |g_(t+1)|² - within
+        drift = self.carried if link is None else pairs * pair_drift(link, self.last[1], within) / 2
+        self.last, self.carried, self.latest = [step - 1, within], None, drift
+        return ((first + small2) / 2, (2 * (first + small2) - within) / 4, pairs, 2 * pairs), drift
 
     def split(self) -> "PairedSteps":
         """A fresh one at a checkpoint: the pair it splits yields no sample; the next reads the drift before it."""
@@ -128,6 +129,14 @@ def level_jitter(levels: list) -> float | None:
     cancels). A probe sample has 1.5 σ²: its bound is never read narrower than that, whatever two probes happen to
     show."""
     return None if len(levels) < 3 or None in levels else (levels[0] - 2 * levels[1] + levels[2]) ** 2 / 6
+
+
+def branch_idle(stats: "Running") -> set:
+    """{"branch"} where a branch draw saves less than MIN_GAIN of an exact step's work, 90% sure (near-copies keep both
+    branches): a property of the data, not of the run's progress, so no keep probability will ever pay, and the
+    family's probes, which cost accuracy, stop."""
+    return {"branch"} if stats.count("work_branch") > 1.9 and stats.mean("work_branch", -UPPER_Z) > (
+        1 - MIN_GAIN) * stats.mean("work_exact") else set()
 
 
 def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_auto, branch_half_cost=0.75, room=0.0):

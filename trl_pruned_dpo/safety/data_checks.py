@@ -8,6 +8,10 @@
 - Truncation: the collator cuts every prompt+response sequence to `max_length`; the share of pairs that lose
   response tokens is reported in one warning. TRL drops the pairs whose prompt alone fills `max_length`; if that is
   every pair, training would fail later with an unrelated error, so it is refused here.
+- Prompts cut differently: with `truncation_mode="keep_end"` the collator cuts each row from its start, so a pair
+  whose two responses differ in length loses different prompt tokens in its two rows. `share_prompt` shares only the
+  leading tokens the two rows really hold in common (method/plan.py `common_tokens`), so such a pair stays exact but
+  runs its prompt twice: counted in one warning.
 
 Run only when the pruned forward is used (with every pruning off the plugin is stock, which says nothing), once, on
 the main process, vectorised over the Arrow columns (O(rows + tokens) in numpy, no Python loop over rows); the outcome
@@ -83,13 +87,18 @@ def pair_findings(prepared, max_length: int | None, keep_start: bool, eos_id: in
     # keep_start cuts the end of prompt + response; keep_end cuts the start, the prompt first.
     longest = np.maximum(chosen_len, rejected_len) + (np.diff(prompt[0]) if keep_start else 0)
     truncated = longest > max_length if max_length is not None else np.zeros_like(degenerate)
+    # keep_end: a row longer than max_length loses its first tokens; two rows of unequal length lose unequal numbers
+    cut_start = (np.maximum(chosen_len, rejected_len) + np.diff(prompt[0]) > max_length) if (
+        max_length is not None and not keep_start) else np.zeros_like(degenerate)
+    misaligned = cut_start & (chosen_len != rejected_len)
 
     def first(flags):
         hits = np.flatnonzero(flags)
         return int(hits[0]) if len(hits) else None
 
     return {"total": len(chosen_len), "degenerate": int(degenerate.sum()), "first": first(degenerate),
-            "empty": int(empty.sum()), "first_empty": first(empty), "truncated": int(truncated.sum())}
+            "empty": int(empty.sum()), "first_empty": first(empty), "truncated": int(truncated.sum()),
+            "misaligned": int(misaligned.sum())}
 
 
 def check_training_pairs(trainer, given) -> None:
@@ -138,7 +147,7 @@ def _findings(trainer, given) -> dict | None:
             f"Every training pair is degenerate ({total} of {total}: `chosen` identical to `rejected`): DPO gets no "
             "gradient from such pairs. Check the dataset's columns and preprocessing.")
     return {**found, "n_before": n_before, "max_length": max_length, "kept": "start" if args.truncation_mode ==
-            "keep_start" else "end"}
+            "keep_start" else "end", "share_prompt": bool(getattr(args, "share_prompt", False))}
 
 
 def _warn(found: dict) -> None:
@@ -162,3 +171,10 @@ def _warn(found: dict) -> None:
             f"{truncated} of {total} training pairs ({100 * truncated / total:.1f}%) are longer than `max_length` "
             f"({max_length} tokens, prompt + response) and lose response tokens (the {found['kept']} is kept). Raise "
             "`max_length` if the end of a response matters.", UserWarning, stacklevel=4)
+    misaligned = found.get("misaligned", 0)
+    if misaligned and found.get("share_prompt"):
+        warnings.warn(
+            f"{misaligned} of {total} training pairs are cut from the start (`truncation_mode='keep_end'`) by "
+            "different amounts in their two rows, which then hold different prompt tokens: their prompts run "
+            "unshared (still exact, but executed twice). Raise `max_length` or use `truncation_mode='keep_start'` to "
+            "share them.", UserWarning, stacklevel=4)

