@@ -403,7 +403,7 @@ def main(argv=None):
     parser.add_argument("--bisect", type=int, default=3, help="halvings toward the longest length that fits")
     parser.add_argument("--out", help="output folder (default benchmarks/results/memory_length_<model>_cpu)")
     args = parser.parse_args(argv)
-    from benchmarks.step_time import machine_info
+    from benchmarks.workload import machine_info
 
     budget_mb = (args.budget_gib or (8.0 if args.model else 4.0)) * 1024
     label = os.path.basename(args.model.rstrip("/")).replace("builtin:", "") if args.model else "bench"

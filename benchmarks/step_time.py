@@ -36,7 +36,6 @@ import csv
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,7 +45,8 @@ import torch
 
 from benchmarks.flops import Shape, Work, mean_flops, mean_work, pruned_work, stock_work
 from benchmarks.workload import (
-    StepRunner, Workload, build_model, build_trainer, layout_tokens, perturbed_copy, quiet, weight_sharing_copy,
+    StepRunner, Workload, build_model, build_trainer, layout_tokens, machine_info, perturbed_copy, quiet,
+    weight_sharing_copy,
 )
 
 # Pruning settings (PrunedDPOConfig fields). "none" separates what the compacted head alone buys (stock TRL on CPU scores
@@ -567,38 +567,6 @@ def write_outputs(out_dir: str, meta: dict, rows: list[dict], plot_png: bool = T
         plot(rows, meta, os.path.join(out_dir, "step_time.png"))
     except ImportError as e:  # matplotlib is a dev extra
         print(f"(no plot: {e})", file=sys.stderr)
-
-
-def machine_info(device: str, threads: int) -> dict:
-    import accelerate
-    import transformers
-    import trl
-
-    import trl_pruned_dpo
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = dict(
-        cpu=cpu, cpu_count=os.cpu_count(), torch_threads=threads, python=platform.python_version(),
-        platform=platform.platform(), torch=torch.__version__, trl=trl.__version__,
-        transformers=transformers.__version__, accelerate=accelerate.__version__,
-        trl_pruned_dpo=getattr(trl_pruned_dpo, "__version__", "?"), device=device,
-    )
-    if device != "cpu":
-        info["gpu"] = torch.cuda.get_device_name()
-    try:
-        import subprocess
-
-        info["git"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
-        ).stdout.strip()
-    except OSError:
-        pass
-    return info
 
 
 def warn_if_loaded():

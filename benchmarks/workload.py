@@ -21,6 +21,7 @@ import copy
 import logging
 import math
 import os
+import platform
 import random
 import shutil
 import tempfile
@@ -581,3 +582,35 @@ def layout_tokens(batch, scored: torch.Tensor | None = None) -> dict:
         rows_packed=int(need.sum()),
         shared=int((shared + (need_w - shared).clamp(min=0) + (need_l - shared).clamp(min=0)).sum()),
     )
+
+
+def machine_info(device: str, threads: int) -> dict:
+    import accelerate
+    import transformers
+    import trl
+
+    import trl_pruned_dpo
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = dict(
+        cpu=cpu, cpu_count=os.cpu_count(), torch_threads=threads, python=platform.python_version(),
+        platform=platform.platform(), torch=torch.__version__, trl=trl.__version__,
+        transformers=transformers.__version__, accelerate=accelerate.__version__,
+        trl_pruned_dpo=getattr(trl_pruned_dpo, "__version__", "?"), device=device,
+    )
+    if device != "cpu":
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        import subprocess
+
+        info["git"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+        ).stdout.strip()
+    except OSError:
+        pass
+    return info
