@@ -207,15 +207,19 @@ SIDES = {"stock": None, "exact": dict(padding_free=True, share_prompt=True, prun
 PROMPT_SHARE = 0.3  # UltraFeedback's median prompt / (prompt + response): 108 / (108 + 258) (workload.LENGTH_MODELS)
 
 
-def length_workload(length: int, model: str, pairs: int, vocab: int = 8192):
-    """`pairs` pairs whose every sequence is exactly `length` tokens: a prompt of PROMPT_SHARE of it, shared by the
-    pair, and two independent responses (no padding for stock to lose; the exact preset saves the prompt's second
-    copy and whatever the head need not score)."""
-    from benchmarks.workload import MODEL_SHAPE, Workload
+def length_workload(length: int, model: str, pairs: int, vocab: int = 8192, shape: str = "uniform"):
+    """`pairs` pairs at `length` tokens per sequence. `uniform`: every sequence exactly `length` tokens, a prompt of
+    PROMPT_SHARE of it shared by the pair and two independent responses (no padding for stock to lose; the exact preset
+    saves the prompt's second copy only). A workload length model (`ultrafeedback`, `hh`): its ragged lengths scaled so
+    that its truncation length is `length` (stock pads each batch to its longest row, as it would at max_length)."""
+    from benchmarks.workload import MODEL_SHAPE, LENGTH_MODELS, Workload
 
+    common = dict(vocab_size=vocab, batch_size=pairs, num_batches=1, name=f"L{length}", reference_noise=0.01,
+                  model_shape=dict(MODEL_SHAPE), model=model)
+    if shape != "uniform":
+        return Workload(lengths=shape, length_scale=length / LENGTH_MODELS[shape].max_total, **common)
     prompt = max(round(length * PROMPT_SHARE), 2)
-    return Workload(vocab_size=vocab, batch_size=pairs, num_batches=1, lengths=f"uniform:{prompt}+{length - prompt}",
-                    name=f"L{length}", reference_noise=0.01, model_shape=dict(MODEL_SHAPE), model=model)
+    return Workload(lengths=f"uniform:{prompt}+{length - prompt}", **common)
 
 
 def predict(points: dict[int, float], length: int) -> float | None:
@@ -245,7 +249,7 @@ def crossing(points: dict[int, float], budget_mb: float) -> float | None:
 
 
 def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: int, bisect: int, log,
-          save=lambda rows: None) -> list[dict]:
+          save=lambda rows: None, shape: str = "uniform") -> list[dict]:
     """Per side: each length in turn (a point predicted over the budget is skipped, and every longer one), then
     `bisect` halvings between the longest length that fit and the shortest that did not (multiples of 64).
 
@@ -264,7 +268,7 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
                 row.update(status="over budget (predicted)")
                 over.append(length)
             else:
-                w = length_workload(length, model, pairs)
+                w = length_workload(length, model, pairs, shape=shape)
                 from dataclasses import asdict
 
                 spec = dict(workload=asdict(w), side="stock" if pruning is None else "pruned", pruning=pruning,
@@ -400,6 +404,8 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--budget-gib", type=float, help="default: 4 on the bench model, 8 with --model")
     parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--shape", default="uniform", choices=["uniform", "ultrafeedback", "hh"],
+                        help="uniform rows (30%% prompt, no padding), or a workload's ragged lengths truncated at L")
     parser.add_argument("--bisect", type=int, default=3, help="halvings toward the longest length that fits")
     parser.add_argument("--out", help="output folder (default benchmarks/results/memory_length_<model>_cpu)")
     args = parser.parse_args(argv)
@@ -407,7 +413,9 @@ def main(argv=None):
 
     budget_mb = (args.budget_gib or (8.0 if args.model else 4.0)) * 1024
     label = os.path.basename(args.model.rstrip("/")).replace("builtin:", "") if args.model else "bench"
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"memory_length_{label}_cpu")
+    suffix = "" if args.shape == "uniform" else f"_{args.shape}"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"memory_length_{label}{suffix}_cpu")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -415,6 +423,7 @@ def main(argv=None):
     started = time.time()
     meta = dict(model=args.model or "bench model (workload.MODEL_SHAPE, vocab 8192)", model_label=label,
                 pairs=args.pairs, lengths=args.lengths, budget_mb=budget_mb, prompt_share=PROMPT_SHARE,
+                shape=args.shape,
                 checkpointing=True, reference="live", threads=1, started=time.strftime("%Y-%m-%d %H:%M"),
                 machine=machine_info("cpu", 1))
     os.makedirs(out, exist_ok=True)
@@ -426,7 +435,7 @@ def main(argv=None):
 
     with MemoryServer() as server:
         rows = sweep(server, model=args.model, lengths=args.lengths, budget_mb=budget_mb, pairs=args.pairs,
-                     bisect=args.bisect, log=log, save=save)
+                     bisect=args.bisect, log=log, save=save, shape=args.shape)
     save(rows)
     print(length_table(rows))
     try:

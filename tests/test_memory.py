@@ -14,13 +14,16 @@ from trl_pruned_dpo import seam
 from trl_pruned_dpo.method import attention
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the storages autograd keeps for the backward of `fn()`, each storage counted once."""
+def _saved_bytes(fn, shapes: list | None = None) -> int:
+    """Bytes of the storages autograd keeps for the backward of `fn()`, each storage counted once; `shapes` collects
+    the shape of every saved tensor."""
     storages = {}
 
     def pack(t):
         storage = t.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
+        if shapes is not None:
+            shapes.append(tuple(t.shape))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -30,9 +33,10 @@ def _saved_bytes(fn) -> int:
 
 def test_packed_attention_keeps_tokens_not_scores_for_backward():
     """One long branch segment after a shared part (lower-right causal, 192 queries over 448 keys), one plain segment
-    and a one-token one; 8 query heads over 2 key heads. Kept for backward: q, k, v, the output, a logsumexp per query
-    and head, and a mask per segment with keys before its queries (lq x lk, not per head). The math path that 3D inputs
-    took kept 8 heads x lq x lk scores and probabilities per segment: over 4x this bound."""
+    and a one-token one; 8 query heads over 2 key heads. Kept for backward, per segment: its keys' worth of query and
+    output rows (a branch's queries run as the last rows of a plain causal block over its keys), k and v (at most
+    repeated to the query heads), a logsumexp per row and head; no lq x lk mask and no score. The math path that 3D
+    inputs took kept 8 heads x lq x lk scores and probabilities per segment: over 4x this bound."""
     heads, kv_heads, dim = 8, 2, 16
     q_lens, k_lens = [192, 64, 1], [448, 64, 9]
     host_q = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
@@ -43,11 +47,12 @@ def test_packed_attention_keeps_tokens_not_scores_for_backward():
     q = torch.randn(host_q[-1], heads, dim, generator=g, requires_grad=True)
     k, v = (torch.randn(host_k[-1], kv_heads, dim, generator=g, requires_grad=True) for _ in range(2))
 
-    saved = _saved_bytes(lambda: attention._per_segment(q, k, v, packing, dim ** -0.5))
+    shapes = []
+    saved = _saved_bytes(lambda: attention._per_segment(q, k, v, packing, dim ** -0.5), shapes)
+    assert not [s for s in shapes if s[-2:] == (192, 448)], shapes  # no mask of the branch's queries x keys
 
-    tokens, keys = host_q[-1], host_k[-1]
-    masked_scores = sum(lq * lk for lq, lk in zip(q_lens, k_lens) if lq != lk)
-    bound = 4 * (2 * tokens * heads * dim + 2 * keys * kv_heads * dim + tokens * heads + masked_scores)
+    keys = host_k[-1]  # the query rows run: each segment's keys
+    bound = 4 * (2 * keys * heads * dim + 2 * keys * heads * dim + keys * heads)
     math_path = 4 * 2 * heads * sum(lq * lk for lq, lk in zip(q_lens, k_lens))
     assert math_path > 4 * bound  # the shapes tell the two apart
     assert saved <= bound, (saved, bound)

@@ -100,8 +100,11 @@ def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant 
         lq, lk = q1 - q0, k1 - k0
         q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
         banded = variant.window is not None and variant.window < lk
-        if variant.softcap is None and sinks is None and lq == lk and not banded:
-            o = _sdpa(q, k, v, scaling, gqa, is_causal=True)
+        if variant.softcap is None and sinks is None and not banded:
+            if lq < lk:  # lower-right causal = the last lq rows of plain causal over lk rows: the rows before them (zero
+                # queries, outputs dropped) cost S²/2 scores but no lq x lk mask, which SDPA would keep for backward
+                q = torch.cat([q.new_zeros(q.size(0), lk - lq, q.size(2)), q], dim=1)
+            o = _sdpa(q, k, v, scaling, gqa, is_causal=True)[:, lk - lq:]
         else:  # this segment's own lq x lk mask (SDPA keeps it, as floats, for the backward: one per segment, not head)
             visible = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
             if banded:  # key j sits at position j, query i at lk - lq + i (the branch's keys start at its position 0)
