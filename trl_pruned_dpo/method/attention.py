@@ -100,7 +100,10 @@ def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant 
         lq, lk = q1 - q0, k1 - k0
         q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
         banded = variant.window is not None and variant.window < lk
-        if variant.softcap is None and sinks is None and not banded:
+        # no mask where it would outweigh a row's q and output (lk floats against 2·H·D) and the padded rows cost at
+        # most half the segment's own scores ((lk - lq)²/2 against lq·lk): long branches behind a moderate prompt
+        unmasked = lq == lk or (lk >= 2 * q.size(0) * q.size(2) and (lk - lq) ** 2 <= lq * lk)
+        if variant.softcap is None and sinks is None and not banded and unmasked:
             if lq < lk:  # lower-right causal = the last lq rows of plain causal over lk rows: the rows before them (zero
                 # queries, outputs dropped) cost S²/2 scores but no lq x lk mask, which SDPA would keep for backward
                 q = torch.cat([q.new_zeros(q.size(0), lk - lq, q.size(2)), q], dim=1)
