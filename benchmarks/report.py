@@ -214,15 +214,22 @@ WORKLOAD_TARGETS = {"ultrafeedback": 2.5, "hh": 4.5}  # issue 20, CPU: the exact
 EXACT_LOSS, EXACT_GRAD = 1e-5, 1e-4  # fp32 tolerances of the exactness matrix (issue 20, item 6)
 
 
-def workload_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
-    """Issue 20's CPU targets on the `--workload` rows (the exact preset is the setting `exact`)."""
+def _speed_targets(exact: dict, targets: dict, token_limit: bool) -> list[tuple[str, bool, str]]:
+    """The exact preset's step-time ratio against each workload's target (with its token limit beside it)."""
     out = []
-    exact = {r["workload"]: r for r in rows if r["setting"] == "exact"}
-    for name, target in WORKLOAD_TARGETS.items():
+    for name, target in targets.items():
         r = exact.get(name)
         if r:
+            limit = f" (token limit {r['token_limit']:.2f}x)" if token_limit else ""
             out.append((f"exact preset >= {target}x stock on {name}", r["speedup_paired_median"] >= target,
-                        f"{r['speedup_paired_median']:.2f}x"))
+                        f"{r['speedup_paired_median']:.2f}x{limit}"))
+    return out
+
+
+def workload_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
+    """Issue 20's CPU targets on the `--workload` rows (the exact preset is the setting `exact`)."""
+    exact = {r["workload"]: r for r in rows if r["setting"] == "exact"}
+    out = _speed_targets(exact, WORKLOAD_TARGETS, token_limit=False)
     for name, r in exact.items():
         pad = r.get("padding_share")
         out.append((f"{name}: at most 1% of executed tokens are padding (exact preset)",
@@ -254,13 +261,8 @@ MODEL_TARGETS = {"ultrafeedback": 3.0, "hh": 4.0}  # issue 29, CPU: the exact pr
 def model_targets(rows: list[dict]) -> list[tuple[str, bool, str]]:
     """Issue 29's CPU targets on the `--model` rows: the exact preset's step-time ratio, and on UltraFeedback-shaped
     text at least 90% of its token limit; never slower than stock."""
-    out = []
     exact = {r["workload"]: r for r in rows if r["setting"] == "exact"}
-    for name, target in MODEL_TARGETS.items():
-        r = exact.get(name)
-        if r:
-            out.append((f"exact preset >= {target}x stock on {name}", r["speedup_paired_median"] >= target,
-                        f"{r['speedup_paired_median']:.2f}x (token limit {r['token_limit']:.2f}x)"))
+    out = _speed_targets(exact, MODEL_TARGETS, token_limit=True)
     r = exact.get("ultrafeedback")
     if r:
         share = r["speedup_paired_median"] / r["token_limit"]

@@ -85,18 +85,23 @@ CONFIGS = {
 }
 
 
-def tiny_family(name, tokenizer, **extra):
-    """A tiny random-init model of a family from its config alone; dropout off (stock and packed draw no masks)."""
-    model_type, overrides = CONFIGS[name]
-    config = CONFIG_MAPPING[model_type](**{**SMALL, **overrides, **extra}, vocab_size=len(tokenizer),
-                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                        bos_token_id=tokenizer.bos_token_id)
+def _seeded_without_dropout(config):
+    """The model of `config` from seed 0 with every dropout and router jitter off (stock and packed draw no masks)."""
     for key, value in list(vars(config).items()):
         if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config)
+
+
+def tiny_family(name, tokenizer, **extra):
+    """A tiny random-init model of a family from its config alone; dropout off (stock and packed draw no masks)."""
+    model_type, overrides = CONFIGS[name]
+    config = CONFIG_MAPPING[model_type](**{**SMALL, **overrides, **extra}, vocab_size=len(tokenizer),
+                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                        bos_token_id=tokenizer.bos_token_id)
+    return _seeded_without_dropout(config)
 
 
 def trainers(model, tokenizer, tmp_path, **pruned_kw):
@@ -206,12 +211,7 @@ def _other(model_type, tokenizer, **kw):
                                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
                                         **{"num_hidden_layers": 2, "num_attention_heads": 4, **kw}
                                         if model_type == "falcon" else kw)
-    for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key or "jitter" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config)
+    return _seeded_without_dropout(config)
 
 
 def test_moe_router_aux_loss_with_the_common_prefix_is_refused_in_one_line(tokenizer, tmp_path):

@@ -30,9 +30,9 @@ from .errors import TrainingDiverged
 from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
 from .method.estimators import horvitz_thompson, scale_branch_gradient
 from .method import attention
-from .method.execute import run_group
+from .method.execute import packed_against_padded, run_group
 from .method.masks import PruneMasks, draw_masks, mask_generator
-from .method.plan import plan_group, plan_policy, plan_reference, work_counts
+from .method.plan import plan_policy, plan_reference, work_counts
 from .reference import (
     HOST_KEY, NON_MODEL_KEYS, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator,
 )
@@ -210,26 +210,23 @@ class PrunedDPOTrainer(DPOTrainer):
         in half precision, absolute), else one line naming the largest difference and padded (or stock's) forwards.
         Every process runs it and takes the worst (the same layout everywhere)."""
         unproven, self._unproven = self._unproven, []
-        host = host_batch(inputs)
-        rows, pairs = host.input_ids.size(0), min(2, host.input_ids.size(0) // 2)
-        run = (torch.arange(rows) % (rows // 2)) < pairs
-        scored = host.completion_mask[:, 1:].bool() & run[:, None]
-        share = torch.full((rows // 2,), self._share_backend is not None)
+        host, share = host_batch(inputs), self._share_backend is not None
+
+        def no_grad():  # no grad, no checkpointing, TRL's head on the labelled positions only
+            stack = no_grad_block(self.model, self.args.gradient_checkpointing_kwargs)
+            stack.enter_context(compact_lm_head())
+            return stack
+
         worst, where, failure = torch.zeros((), device=inputs["input_ids"].device), "", None
         for model in unproven:
-            outputs = []
             try:
-                for packed in (False, True):
-                    attention.use_packed(self._packed_models, packed)
-                    group = plan_group(host, scored, run, share, packed)
-                    with no_grad_block(self.model, self.args.gradient_checkpointing_kwargs), compact_lm_head():
-                        outputs.append(run_group(model, group, ("log_probs",), inputs, NON_MODEL_KEYS)[0]["log_probs"])
+                difference = packed_against_padded(model, self._packed_models, host, inputs, share, NON_MODEL_KEYS,
+                                                   no_grad)
             except Exception as error:  # noqa: BLE001 - a model the packed forward cannot run: padded, said why
                 failure, where = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", \
                     model.config.model_type
                 worst = torch.full_like(worst, float("inf"))
                 break
-            difference = (outputs[1].float() - outputs[0].float()).abs().max().nan_to_num(nan=float("inf"))
             if difference > worst:
                 worst, where = difference, model.config.model_type
         worst = self.accelerator.reduce(worst, reduction="max")

@@ -378,8 +378,9 @@ def packed_verdict(model) -> str | None:
     check agrees; otherwise why it cannot run packed, from its config and its model file (one line)."""
     c = model.config
     kind = getattr(c, "model_type", None)
+    recurrent = _recurrent(c)
     checks = [
-        (_recurrent(c), _recurrent(c)),
+        (recurrent, recurrent),
         (getattr(c, "alibi", False) or kind in ALIBI_FAMILIES, "its attention scores carry ALiBi biases, computed in "
                                                                "its own attention module (no packed metadata there)"),
         (getattr(c, "attention_chunk_size", None), "its attention is chunked (attention_chunk_size)"),

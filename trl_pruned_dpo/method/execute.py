@@ -6,8 +6,8 @@ the batch's own rows under the model's own attention and the collated 2D mask.
 
 import torch
 
-from .attention import PACKING_KWARG, Packing, packed_forward
-from .plan import PackedGroup
+from .attention import PACKING_KWARG, Packing, packed_forward, use_packed
+from .plan import HostBatch, PackedGroup, plan_group
 
 
 def _padded_inputs(inputs: dict, group: PackedGroup, skip_keys, device) -> dict:
@@ -50,3 +50,20 @@ def run_group(model, group: PackedGroup, fields: tuple[str, ...], inputs: dict, 
         flat = getattr(outputs, field).reshape(-1)
         per_token[field] = torch.where(hit, flat[source.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=device))
     return per_token, outputs
+
+
+def packed_against_padded(model, packed_models, host: HostBatch, inputs: dict, share: bool, skip_keys,
+                          no_grad) -> torch.Tensor:
+    """The largest |packed - padded| per-token log-prob of `model` over the batch's first two pairs (NaN reads as
+    inf), each forward inside `no_grad()` (the caller's no-grad, compact-head block); `packed_models` are switched to
+    each layout in turn. Raises what the packed forward raises."""
+    rows = host.input_ids.size(0)
+    run = (torch.arange(rows) % (rows // 2)) < min(2, rows // 2)
+    scored = host.completion_mask[:, 1:].bool() & run[:, None]
+    outputs = []
+    for packed in (False, True):
+        use_packed(packed_models, packed)
+        group = plan_group(host, scored, run, torch.full((rows // 2,), share), packed)
+        with no_grad():
+            outputs.append(run_group(model, group, ("log_probs",), inputs, skip_keys)[0]["log_probs"].float())
+    return (outputs[1] - outputs[0]).abs().max().nan_to_num(nan=float("inf"))
