@@ -15,7 +15,7 @@ from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, t
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method import attention
-from trl_pruned_dpo.method.plan import HostBatch, plan_group
+from trl_pruned_dpo.method.plan import HostBatch, pair_trees, plan_group
 
 EAGER_ONLY = ("gemma2", "bloom", "mpt", "gpt_neo")  # no sdpa attention in transformers 5.24
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -314,7 +314,7 @@ def test_packed_attention_equals_a_dense_mask(share, kernel, window, monkeypatch
     # every pair shares at least two response tokens, so each segment scores something (below)
     host = _host([5, 2, 7], [[1, 2, 3], [4, 4, 1], [5, 6, 7, 8]], [[1, 2, 9, 9], [4, 4, 6, 7, 8], [5, 6, 1]])
     scored = host.completion_mask[:, 1:].bool()
-    group = plan_group(host, scored, torch.ones(6, dtype=torch.bool), torch.full((3,), share), packed=True)
+    group = plan_group(host, scored, torch.ones(6, dtype=torch.bool), pair_trees(torch.full((3,), share)), packed=True)
     total = group.input_ids.size(1)
     # which rows each packed token stands for, and its position
     stands = torch.zeros(total, 6, dtype=torch.bool)
@@ -358,13 +358,13 @@ def test_packed_attention_equals_a_dense_mask(share, kernel, window, monkeypatch
 def test_plan_has_no_padding_and_packs_left_padded_rows():
     host = _host([5, 2], [[1, 2, 3], [4]], [[1, 2, 9, 9], [5, 6]])
     scored = host.completion_mask[:, 1:].bool()
-    right = plan_group(host, scored, torch.ones(4, dtype=torch.bool), torch.zeros(2, dtype=torch.bool), True)
+    alone = pair_trees(torch.zeros(2, dtype=torch.bool))
+    right = plan_group(host, scored, torch.ones(4, dtype=torch.bool), alone, True)
     # left-pad the same batch: the packed tokens, labels and routed cells are the same tokens
     pad = (host.attention_mask == 0).sum(dim=1)
     rolled = HostBatch(*(torch.stack([r.roll(int(n)) for r, n in zip(t, pad)])
                          for t in (host.input_ids, host.attention_mask, host.completion_mask)))
-    left = plan_group(rolled, rolled.completion_mask[:, 1:].bool(), torch.ones(4, dtype=torch.bool),
-                      torch.zeros(2, dtype=torch.bool), True)
+    left = plan_group(rolled, rolled.completion_mask[:, 1:].bool(), torch.ones(4, dtype=torch.bool), alone, True)
     for name in ("input_ids", "position_ids", "shift_labels", "cu_seq_q", "cu_seq_k", "kv_index"):
         assert torch.equal(getattr(left, name), getattr(right, name)), name
     assert right.tokens == int(scored.long().cumsum(1).argmax(1).add(1).sum())  # each row up to its last label
@@ -395,7 +395,8 @@ def test_attention_is_restored_and_delegates_meanwhile(tokenizer, tmp_path):
 def test_a_group_with_nothing_to_score_still_runs_two_tokens(packed):
     host = _host([3, 2], [[1, 2], [3]], [[1, 4], [5, 6]])
     scored = host.completion_mask[:, 1:].bool()
-    group = plan_group(host, scored, torch.zeros(4, dtype=torch.bool), torch.zeros(2, dtype=torch.bool), packed)
+    group = plan_group(host, scored, torch.zeros(4, dtype=torch.bool), pair_trees(torch.zeros(2, dtype=torch.bool)),
+                       packed)
     assert group.tokens == 2 and group.scored == 0
     assert bool((group.shift_labels == -100).all()) and bool((group.source == -1).all())
 

@@ -19,7 +19,9 @@ from test_off_means_stock import assert_same_step
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import PruneMasks
 from trl_pruned_dpo.method.attention import PACKED
-from trl_pruned_dpo.method.plan import HostBatch, common_tokens, plan_group, plan_policy, shared_is_cheaper
+from trl_pruned_dpo.method.plan import (
+    HostBatch, common_tokens, pair_trees, plan_group, plan_policy, shared_is_cheaper,
+)
 
 # `share_prompt` alone (`padding_free`, also on by default, off); "unshared" below is `SAVINGS_OFF`, both off.
 SHARED = dict(share_prompt=True, padding_free=False)
@@ -163,7 +165,8 @@ def test_plan_layout(tokenizer):
     host = _host([("wxyz", "abc", "abd"), ("wxyz", "xy", "xy"), ("pq", "a", "bcdef")], tokenizer)
     assert common_tokens(host).tolist() == [6, 6, 2]
     scored = host.completion_mask[:, 1:].bool()
-    group = plan_group(host, scored, torch.ones(6, dtype=torch.bool), torch.ones(3, dtype=torch.bool), packed=True)
+    group = plan_group(host, scored, torch.ones(6, dtype=torch.bool), pair_trees(torch.ones(3, dtype=torch.bool)),
+                       packed=True)
     # pair 0: 5 shared positions (0..4) + 1 per branch (position 5 predicts the diverging token): 7
     # pair 1: 5 shared positions, nothing after; pair 2: 1 shared + 1 ('a' row: position 1) + 5 ('bcdef'): 7
     assert group.tokens == 7 + 5 + 7

@@ -7,7 +7,7 @@ the batch's own rows under the model's own attention and the collated 2D mask.
 import torch
 
 from .attention import PACKING_KWARG, Packing, packed_forward, use_packed
-from .plan import HostBatch, PackedGroup, plan_group
+from .plan import HostBatch, PackedGroup, plan_group, row_trees
 
 
 def _padded_inputs(inputs: dict, group: PackedGroup, skip_keys, device) -> dict:
@@ -63,7 +63,7 @@ def packed_against_padded(model, packed_models, host: HostBatch, inputs: dict, s
     outputs = []
     for packed in (False, True):
         use_packed(packed_models, packed)
-        group = plan_group(host, scored, run, torch.full((rows // 2,), share), packed)
+        group = plan_group(host, scored, run, row_trees(host, share), packed)
         with no_grad():
             outputs.append(run_group(model, group, ("log_probs",), inputs, skip_keys)[0]["log_probs"].float())
     return (outputs[1] - outputs[0]).abs().max().nan_to_num(nan=float("inf"))

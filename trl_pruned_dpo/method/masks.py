@@ -115,6 +115,18 @@ def draw_branches(num_pairs: int, keep_prob, sampling: str, generator: torch.Gen
     return torch.cat([chosen, rejected])
 
 
+def identical_rows(input_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
+    """(rows,) long: for each row, the first row of the batch holding the same real tokens (itself if none). Such rows
+    (one response in several pairs of a prompt group) run once (plan.py), so they are backpropagated together."""
+    rows, width = input_ids.shape
+    offset = attention_mask.long().argmax(dim=1) if attention_mask is not None else input_ids.new_zeros(rows)
+    real = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    ends = real.sum(dim=1, keepdim=True) if attention_mask is not None else torch.full((rows, 1), width)
+    ids = torch.where(torch.arange(width, device=input_ids.device) < ends, from_first_real(input_ids, offset), -1)
+    _, inverse = torch.unique(ids.cpu(), dim=0, return_inverse=True)
+    return torch.full((rows,), rows, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(rows), "amin")[inverse]
+
+
 def pair_agreement(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(pairs, cols) bool: column by column, whether the chosen and the rejected row of a pair hold the same token with
     the same `mask` value. Every chosen/rejected alignment of the package (the common prefix, the shared tokens of the
@@ -243,10 +255,15 @@ def draw_masks(
     inclusion = q * torch.cat([p_pos, p_pos]).unsqueeze(1)
     weights = torch.where(keep, 1.0 / inclusion.clamp(min=1e-12), torch.zeros_like(inclusion)).float()
     executed = executed_columns(keep)
+    p_branch = pair_probs(branch_keep_prob, pairs).to(response.device)
+    p_row = torch.cat([p_branch, p_branch])
     if prunes(branch_keep_prob):
         backprop = draw_branches(pairs, branch_keep_prob, branch_sampling, generator).to(response.device)
+        # a response in several pairs is one branch: its first row's draw and probability for all (Eq. 3 per row,
+        # E[z / p] = 1 still); with no repeated row, the draw above unchanged (docs/method.md, "Prompt groups")
+        same = identical_rows(input_ids, attention_mask).to(response.device)
+        backprop, p_row = backprop[same], p_row[same]
     else:
         backprop = torch.ones(rows, dtype=torch.bool, device=response.device)
-    p_branch = pair_probs(branch_keep_prob, pairs).to(response.device)
-    branch_scale = (backprop.double() / torch.cat([p_branch, p_branch])).float()
+    branch_scale = (backprop.double() / p_row).float()
     return PruneMasks(keep, weights, executed, backprop, branch_scale, exact)

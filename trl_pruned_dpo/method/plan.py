@@ -17,6 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from .masks import PruneMasks, from_first_real, pair_agreement, positions_needed
+from .tree import build_forest, locate, tree_tokens
 
 
 @dataclass
@@ -100,25 +101,51 @@ def _lengths(host: HostBatch, scored: torch.Tensor):
     return offset, torch.where(last > 0, last - offset, 0)
 
 
-def shared_length(common: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
-    """(pairs,) the shared segment of each pair: its s - 1 common positions, no longer than either branch needs."""
-    chosen, rejected = need.chunk(2)
-    return torch.minimum((common - 1).clamp(min=0), torch.maximum(chosen, rejected))
+def prompt_groups(host: HostBatch) -> torch.Tensor:
+    """(pairs,) long: each pair's prompt group, the first pair of the micro-batch whose chosen row has the same prompt
+    tokens (its real tokens before the completion). Pairs of one group share their prompt in the packed layout."""
+    ids, valid, offset = real_tokens(host)
+    completion = from_first_real(host.completion_mask, offset).bool() & valid
+    prompt = valid & (completion.long().cumsum(dim=1) == 0)
+    pairs = ids.size(0) // 2
+    width = max(int(prompt[:pairs].sum(dim=1).max()), 1)
+    key = torch.where(prompt[:pairs, :width], ids[:pairs, :width], -1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    first = torch.full((pairs,), pairs, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(pairs), "amin")
+    return first[inverse]
 
 
-def plan_group(host: HostBatch, scored: torch.Tensor, run: torch.Tensor, share: torch.Tensor,
+def pair_trees(share: torch.Tensor) -> torch.Tensor:
+    """(rows,) tree ids (tree.py) when only the two rows of a pair may share (`share`: (pairs,) bool): a shared pair's
+    rows are one tree, every other row its own (ordered pair by pair, as rows were packed before prompt groups)."""
+    pairs = share.numel()
+    pair = torch.arange(2 * pairs) % pairs
+    side = torch.arange(2 * pairs) // pairs
+    return 2 * pair + torch.where(share[pair], 0, side)
+
+
+def row_trees(host: HostBatch, share: bool) -> torch.Tensor:
+    """(rows,) tree ids: with sharing, every row of a prompt group is one tree (its prompt once, each distinct
+    response once); without, each row its own."""
+    pairs = host.input_ids.size(0) // 2
+    if not share:
+        return pair_trees(torch.zeros(pairs, dtype=torch.bool))
+    return 2 * prompt_groups(host).repeat(2)
+
+
+def plan_group(host: HostBatch, scored: torch.Tensor, run: torch.Tensor, trees: torch.Tensor,
                packed: bool) -> PackedGroup:
-    """One forward of the rows `run` ((rows,) bool), the pairs `share` ((pairs,) bool, both rows run) as shared items.
+    """One forward of the rows `run` ((rows,) bool); rows of equal `trees` id ((rows,) long, `row_trees`) share their
+    common leading tokens (packed only: the radix tree of their sequences, tree.py).
 
     Only positions up to each row's last scored column run (prefix pruning cuts branches early); only scored
     positions carry a label (position pruning: only they reach the LM head).
     """
     rows, cols = scored.shape
-    pairs = rows // 2
     offset, need = _lengths(host, scored)
     if not bool((run & (need > 0)).any()):  # still run two tokens of row 0, labelling none: every process must run the
         # same modules in the same order (ZeRO-3/FSDP), and a grad group must stay connected to the graph
-        run, scored, share = torch.arange(rows) == 0, torch.zeros_like(scored), share & False
+        run, scored = torch.arange(rows) == 0, torch.zeros_like(scored)
         need = torch.where(run, 2 if packed else 1, 0)  # (the padded layout adds the label-only token)
     if not packed:  # the padded fallback: the batch's own rows, trimmed to the longest
         index = torch.nonzero(run & (need > 0)).flatten()
@@ -132,47 +159,33 @@ def plan_group(host: HostBatch, scored: torch.Tensor, run: torch.Tensor, share: 
         return PackedGroup(labels, source, index.numel() * width, int(keep.sum()), rows=index, width=width)
 
     ids, _, _ = real_tokens(host)
-    share = share & run[:pairs] & run[pairs:]
-    shared = torch.where(share, shared_length(common_tokens(host), need), 0)
-    pair = torch.arange(pairs)
-    # per pair, three segments: [shared part (chosen's tokens), chosen, rejected]; a row alone is one segment
-    seg_row = torch.stack([pair, pair, pair + pairs], dim=1)
-    seg_start = torch.stack([torch.zeros_like(shared), shared, shared], dim=1)
-    run_c, run_r = run[:pairs], run[pairs:]
-    seg_end = torch.stack([shared, torch.where(run_c, need[:pairs].maximum(shared), shared),
-                           torch.where(run_r, need[pairs:].maximum(shared), shared)], dim=1)
-    seg_partner = torch.stack([torch.where(share, pair + pairs, -1), torch.full_like(pair, -1),
-                               torch.full_like(pair, -1)], dim=1)  # a shared position scores for both rows
-    length = (seg_end - seg_start).flatten()
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
-    pre_start = starts[:-1].view(pairs, 3)[:, :1].expand(pairs, 3).flatten()  # where the pair's shared part lies
-    nonempty = length > 0
-    seg_row, seg_start, seg_partner, pre_start, first, length = (
-        x.flatten()[nonempty] for x in (seg_row, seg_start, seg_partner, pre_start, starts[:-1], length))
-
-    # tokens: segment after segment
+    # a row's sequence: the positions it runs, then the token its last one predicts
+    forest = build_forest(ids, torch.where(run & (need > 0), need + 1, 0), trees)
+    length = forest.end - forest.start
     total = int(length.sum())
     seg_of = torch.repeat_interleave(torch.arange(length.numel()), length)
-    position = torch.arange(total) - first[seg_of] + seg_start[seg_of]  # the position id: the real-token index
-    row = seg_row[seg_of]
-    input_ids = ids[row, position]
-    source = torch.full((rows, cols), -1, dtype=torch.long)
-    token = torch.arange(total)
-    labelled = torch.zeros(total, dtype=torch.bool)
-    partner = seg_partner[seg_of]
-    for dest, ok in ((row, torch.ones(total, dtype=torch.bool)), (partner.clamp(min=0), partner >= 0)):
-        col = position + offset[dest]  # the grid column this position scores for row `dest`
-        hit = ok & (col < cols) & scored[dest, col.clamp(max=cols - 1)]
-        source[dest[hit], col[hit]] = token[hit]
-        labelled |= hit
-    shift_labels = torch.where(labelled, ids[row, (position + 1).clamp(max=ids.size(1) - 1)], -100)
+    position = torch.arange(total) - forest.first[seg_of] + forest.start[seg_of]  # the position id
+    reader = forest.reader[seg_of]
+    input_ids = ids[reader, position]
 
-    # keys: the pair's shared part (as long as a branch's start), then the segment itself (lower-right causal)
-    keys = length + seg_start
+    # each scored cell reads the output of the node on its row's path that runs its position
+    row, col = torch.nonzero(scored & run[:, None] & (forest.distinct >= 0)[:, None], as_tuple=True)
+    at = col - offset[row]
+    node = locate(forest.row_key, forest.row_node, forest.distinct[row], at)
+    token = forest.first[node] + at - forest.start[node]
+    source = torch.full((rows, cols), -1, dtype=torch.long)
+    source[row, col] = token
+    labelled = torch.zeros(total, dtype=torch.bool)
+    labelled[token] = True
+    shift_labels = torch.where(labelled, ids[reader, (position + 1).clamp(max=ids.size(1) - 1)], -100)
+
+    # keys: the node's ancestors, then the node itself (positions 0 .. end - 1; lower-right causal)
+    keys = forest.end
     cu_k = torch.cat([torch.zeros(1, dtype=torch.long), keys.cumsum(0)])
     kseg = torch.repeat_interleave(torch.arange(keys.numel()), keys)
     j = torch.arange(int(cu_k[-1])) - cu_k[kseg]
-    kv_index = torch.where(j < seg_start[kseg], pre_start[kseg] + j, first[kseg] + j - seg_start[kseg])
+    holder = locate(forest.seg_key, forest.seg_node, kseg, j)
+    kv_index = forest.first[holder] + j - forest.start[holder]
     cu_q = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
     return PackedGroup(shift_labels.view(1, -1), source, total, int(labelled.sum()), input_ids.view(1, -1),
                        position.view(1, -1), cu_q.int(), cu_k.int(), kv_index, int(length.max()), int(keys.max()),
@@ -180,36 +193,45 @@ def plan_group(host: HostBatch, scored: torch.Tensor, run: torch.Tensor, share: 
 
 
 def shared_is_cheaper(shared, frozen_tail, grad_cost: float):
-    """A pair with one backpropagated branch: shared, grad_cost * (shared + both tails), or split, grad_cost * (shared
-    + grad tail) + 1 * (shared + frozen tail) (docs/method.md, "Branch pruning and sharing")? Shared wins iff
-    (grad_cost - 1) * frozen_tail < shared. Ints or per-pair tensors."""
+    """A tree (a pair, a prompt group) with backpropagated and frozen rows: whole in the grad forward, grad_cost *
+    (shared + grad tails + frozen tails), or split, grad_cost * (shared + grad tails) + 1 * (shared + frozen tails)
+    (docs/method.md, "Branch pruning and sharing")? Whole wins iff (grad_cost - 1) * frozen_tails < shared. `shared`:
+    the tokens both halves would run. Ints or per-tree tensors."""
     return (grad_cost - 1) * frozen_tail < shared
 
 
 def plan_policy(host: HostBatch, masks: PruneMasks, *, frozen_group: bool, grad_cost: float, share: bool,
                 packed: bool) -> ForwardPlan:
-    """The policy forwards; `frozen_group`: branch pruning is on (structural, the same on every process). Shared, a pair
-    whose branches are both backpropagated (or both frozen) is one item; a pair with one of each is shared in the grad
-    group (its frozen branch gets a zero gradient, Eq. 3) when cheaper than running that branch under no_grad."""
+    """The policy forwards; `frozen_group`: branch pruning is on (structural, the same on every process). Shared, a
+    tree (a prompt group) whose rows are all backpropagated (or all frozen) is one tree of its forward; a tree with
+    both runs whole in the grad group (its frozen rows get a zero gradient, Eq. 3) when that is cheaper than running
+    its frozen rows as a tree of their own under no_grad (`shared_is_cheaper`, from the trees' own token counts)."""
     scored, backprop = masks.scored.cpu(), masks.backprop.cpu()
-    pairs = scored.size(0) // 2
-    grad_c, grad_r = backprop.chunk(2)
-    if share:
-        _, need = _lengths(host, scored)
-        shared = shared_length(common_tokens(host), need)
-        frozen_tail = (torch.where(grad_c, need[pairs:], need[:pairs]) - shared).clamp(min=0)
-        mixed = grad_c != grad_r
-        share_grad = (grad_c & grad_r) | (mixed & shared_is_cheaper(shared, frozen_tail, grad_cost))
-        share_frozen = ~grad_c & ~grad_r
-    else:
-        share_grad = share_frozen = mixed = torch.zeros(pairs, dtype=torch.bool)
-    joined = torch.cat([share_grad, share_grad])
-    grad = plan_group(host, scored, backprop | joined, share_grad, packed)
-    frozen = plan_group(host, scored, ~backprop & ~joined, share_frozen, packed) if frozen_group else None
-    return ForwardPlan(grad, frozen, int((share_grad | share_frozen).sum()), int((mixed & ~share_grad).sum()))
+    rows = scored.size(0)
+    pairs = rows // 2
+    trees = row_trees(host, share)
+    in_grad = backprop.clone()
+    if share and frozen_group:
+        count = int(trees.max()) + 1
+        has_grad = torch.zeros(count, dtype=torch.bool).index_fill_(0, trees[backprop], True)
+        has_frozen = torch.zeros(count, dtype=torch.bool).index_fill_(0, trees[~backprop], True)
+        if bool((has_grad & has_frozen).any()):
+            ids, _, _ = real_tokens(host)
+            _, need = _lengths(host, scored)
+            length = torch.where(need > 0, need + 1, 0)
+            tokens = [tree_tokens(build_forest(ids, torch.where(rows_in, length, 0), trees), count)
+                      for rows_in in (torch.ones_like(backprop), backprop, ~backprop)]
+            # whole: grad_cost * all; split: grad_cost * grad + 1 * frozen (docs/method.md, "Branch pruning")
+            whole = shared_is_cheaper(tokens[1] + tokens[2] - tokens[0], tokens[0] - tokens[1], grad_cost)
+            in_grad |= (has_grad & has_frozen & whole)[trees]
+    split = in_grad[:pairs] != in_grad[pairs:]
+    grad = plan_group(host, scored, in_grad, trees, packed)
+    frozen = plan_group(host, scored, ~in_grad, trees, packed) if frozen_group else None
+    shared = int((~split).sum()) if share else 0
+    return ForwardPlan(grad, frozen, shared, int(split.sum()) if share else 0)
 
 
 def plan_reference(host: HostBatch, scored: torch.Tensor, share: bool, packed: bool) -> PackedGroup:
-    """The reference forward (never backpropagated): with sharing, every pair is one item, which always saves."""
+    """The reference forward (never backpropagated): with sharing, each prompt group is one tree, which always saves."""
     rows = scored.size(0)
-    return plan_group(host, scored.cpu(), torch.ones(rows, dtype=torch.bool), torch.full((rows // 2,), share), packed)
+    return plan_group(host, scored.cpu(), torch.ones(rows, dtype=torch.bool), row_trees(host, share), packed)
