@@ -1,0 +1,188 @@
+"""Prompt groups (issue 37): pairs of a micro-batch that share a prompt run it once, each distinct response once
+(method/tree.py), exactly: stock DPOTrainer's loss and gradients for the loss families, checkpointing off and on; the
+unshared estimate under the same masks with every pruning; the tokens executed are the arithmetic's; branch pruning
+with one response in several pairs stays unbiased."""
+
+import copy
+from itertools import combinations
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import DPOConfig, DPOTrainer
+
+from conftest import SAVINGS_OFF, build_trainer, first_batch
+from test_packed import assert_exact
+from test_share_prompt import _host, assert_same_loss_and_grads, llama, tiny_qwen2
+from test_unbiased import max_z
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.method.masks import draw_branches, draw_masks, identical_rows, mask_generator
+from trl_pruned_dpo.method.plan import pair_trees, plan_group, prompt_groups, row_trees
+
+# (prompt, responses best first): ragged, near-copies (a shared response start), one response a prefix of another,
+# a one-token answer; every pair of each ("all pairs") or the best against the rest
+GROUPS = [
+    ("Q1: add 12+30? ", ["12+30=42", "12+30=43", "42", "it is 42.", "12+30"], "all"),
+    ("long prompt " * 3, ["same answer", "same answez", "other", "same"], "all"),
+    ("p: ", ["abcdefgh", "abcdefgX", "x"], "best"),
+    ("Q4: 7*6? ", ["42", "41"], "all"),  # one pair alone
+]
+
+
+def group_rows(groups=GROUPS):
+    rows = []
+    for prompt, responses, pairing in groups:
+        pairs = combinations(range(len(responses)), 2) if pairing == "all" else [(0, j) for j in
+                                                                                range(1, len(responses))]
+        rows += [{"prompt": prompt, "chosen": responses[a], "rejected": responses[b]} for a, b in pairs]
+    return rows
+
+
+ROWS = group_rows()
+BATCH = len(ROWS)  # 10 + 6 + 2 + 1 pairs, one micro-batch
+
+LOSSES = [  # (model builder, attention, config overrides): the families of tests/test_share_prompt.py
+    (llama, "sdpa", {"loss_type": ["sigmoid"]}),
+    (llama, "sdpa", {"loss_type": ["sigmoid"], "prune_common_prefix": True}),
+    (llama, "sdpa", {"loss_type": ["sppo_hard"]}),
+    (llama, "eager", {"loss_type": ["ipo"]}),
+    (llama, "sdpa", {"loss_type": ["bco_pair"], "max_length": 40}),  # truncation
+    (llama, "sdpa", {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "ld_alpha": 0.5}),
+    (tiny_qwen2, "sdpa", {"loss_type": ["apo_zero"], "use_weighting": True}),
+    (tiny_qwen2, "eager", {"loss_type": ["robust"], "label_smoothing": 0.1, "f_divergence_type": "js_divergence"}),
+]
+
+
+@pytest.mark.parametrize("build, attn, case", LOSSES, ids=lambda c: getattr(c, "__name__", str(c)))
+def test_groups_equal_stock(build, attn, case, tokenizer, tmp_path):
+    """One micro-batch of 19 pairs in 4 prompt groups: stock's loss (1e-5) and gradients (1e-4 relative),
+    checkpointing off and on; the prompt once per group."""
+    data = Dataset.from_list(ROWS)
+    model = build(tokenizer, attn)
+    kw = {"per_device_train_batch_size": BATCH, "max_length": 64, **case}
+    stock_kw = {k: v for k, v in kw.items() if k != "prune_common_prefix"}
+    stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "s", model=copy.deepcopy(model),
+                          **stock_kw)
+    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p",
+                           model=copy.deepcopy(model), **kw)
+    for checkpointing in (False, True):
+        assert_exact(stock, pruned, batch_size=BATCH, checkpointing=checkpointing)
+    stats = pruned.last_prune_stats
+    assert stats["shared_pairs"] == BATCH
+    assert stats["policy_tokens_executed"] * 4 < stats["tokens_needed"]  # 10 pairs of 5 responses run 5 responses
+
+
+def test_tokens_are_the_arithmetic(tokenizer):
+    """Worked by hand (one token per character). Prompt 'wxyz' with responses 'abc', 'abd', 'xy', all three pairs,
+    and a lone pair 'pq': 'a'/'bcdef'. The group's rows agree on 'wxyz': positions 0..2 run once; position 3 (which
+    predicts 'a' or 'x') once per subtree: 'ab' runs positions 3, 4 once, then 'abc' and 'abd' position 5 each; 'xy'
+    runs positions 3, 4. Rows repeated across pairs (the same response) run once."""
+    host = _host([("wxyz", "abc", "abd"), ("wxyz", "abc", "xy"), ("wxyz", "abd", "xy"), ("pq", "a", "bcdef")],
+                 tokenizer)
+    assert prompt_groups(host).tolist() == [0, 0, 0, 3]
+    scored = host.completion_mask[:, 1:].bool()
+    group = plan_group(host, scored, torch.ones(8, dtype=torch.bool), row_trees(host, True), packed=True)
+    # group 0: [0..2] + 'ab' node [3, 5) + 'abc' [5] + 'abd' [5] + 'xy' [3, 5) = 3 + 2 + 1 + 1 + 2 = 9 tokens
+    # pair 3 (as a pair today): shared [0] + 'a' [1] + 'bcdef' [1..5] = 1 + 1 + 5 = 7
+    assert group.tokens == 9 + 7
+    assert torch.equal(group.source >= 0, scored)  # every scored cell routed, nothing else
+    # the same batch as pairs: each pair [shared | chosen | rejected]
+    pairs = plan_group(host, scored, torch.ones(8, dtype=torch.bool), pair_trees(torch.ones(4, dtype=torch.bool)),
+                       packed=True)
+    assert pairs.tokens == (5 + 1 + 1) + (3 + 3 + 2) + (3 + 3 + 2) + 7
+    # a token's keys are the positions 0 .. its own of its row, read from the tree's nodes
+    for row in range(8):
+        for col in torch.nonzero(scored[row]).flatten().tolist():
+            token = int(group.source[row, col])
+            assert int(group.position_ids[0, token]) == col
+            assert int(group.input_ids[0, token]) == int(host.input_ids[row, col])
+            assert int(group.shift_labels[0, token]) == int(host.input_ids[row, col + 1])
+            segment = int(torch.searchsorted(group.cu_seq_q, torch.tensor(token), right=True)) - 1
+            keys = group.kv_index[group.cu_seq_k[segment]: group.cu_seq_k[segment + 1]]
+            within = token - int(group.cu_seq_q[segment]) + keys.numel() - int(group.cu_seq_q[segment + 1]
+                                                                                 - group.cu_seq_q[segment])
+            seen = keys[: within + 1]
+            assert group.input_ids[0, seen].tolist() == host.input_ids[row, : col + 1].tolist()
+            assert group.position_ids[0, seen].tolist() == list(range(col + 1))
+
+
+PRUNINGS = {
+    "position+prefix": dict(position_keep_prob=0.5, prefix_prune_prob=0.5),
+    "branch-paired": dict(branch_keep_prob=0.5),
+    "all-independent": dict(branch_keep_prob=0.6, branch_sampling="independent", position_keep_prob=0.7,
+                            prefix_prune_prob=0.5, prefix_min_ratio=0.3),
+    "common-prefix": dict(prune_common_prefix=True, branch_keep_prob=0.5, prune_reference=False),
+}
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("pruning", PRUNINGS, ids=list(PRUNINGS))
+def test_groups_stacked_with_pruning_same_estimate(pruning, checkpointing, tokenizer, tmp_path):
+    """Same seed, same masks: the prompt-group execution gives the unshared pruned estimate (loss and gradient)."""
+    data = Dataset.from_list(ROWS)
+    kw = dict(per_device_train_batch_size=BATCH, gradient_checkpointing=checkpointing, **PRUNINGS[pruning])
+    unshared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "u", **kw, **SAVINGS_OFF)
+    grouped = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "g", **kw)
+    for _ in range(3):  # three micro-steps: three different draws
+        assert_same_loss_and_grads(unshared, grouped, batch_size=BATCH)
+        assert grouped.last_prune_stats["policy_tokens_executed"] < unshared.last_prune_stats["policy_tokens_executed"]
+
+
+def test_a_repeated_response_is_one_branch(tokenizer):
+    """Rows holding the same tokens (one response in several pairs of a group) get their first row's draw and
+    probability; with no repeat the draw is the pairs' own (the masks of a one-pair-per-prompt batch unchanged)."""
+    host = _host([("wxyz", "abc", "abd"), ("wxyz", "abc", "xy"), ("pq", "a", "bcdef")], tokenizer)
+    assert identical_rows(host.input_ids, host.attention_mask).tolist() == [0, 0, 2, 3, 4, 5]
+    probs = torch.tensor([0.5, 0.8, 0.5], dtype=torch.float64)
+    for step in range(20):
+        masks = draw_masks(host.input_ids, host.completion_mask, position_keep_prob=1.0, prefix_prune_prob=0.0,
+                           prefix_min_ratio=0.5, branch_keep_prob=probs, branch_sampling="paired",
+                           drop_common_prefix=False, generator=mask_generator(0, step, 0, 0),
+                           attention_mask=host.attention_mask)
+        assert masks.backprop[1] == masks.backprop[0]
+        assert masks.branch_scale[1] == masks.branch_scale[0] == (2.0 if masks.backprop[0] else 0.0)
+    lone = _host([("wxyz", "abc", "abd"), ("pq", "a", "bcdef")], tokenizer)
+    generator = mask_generator(0, 0, 0, 0)
+    expected = draw_branches(2, 0.5, "paired", mask_generator(0, 0, 0, 0))
+    masks = draw_masks(lone.input_ids, lone.completion_mask, position_keep_prob=1.0, prefix_prune_prob=0.0,
+                       prefix_min_ratio=0.5, branch_keep_prob=0.5, branch_sampling="paired",
+                       drop_common_prefix=False, generator=generator, attention_mask=lone.attention_mask)
+    assert torch.equal(masks.backprop, expected)
+
+
+def test_branch_scale_with_repeats_is_unbiased(tokenizer):
+    """E[z_b / p] = 1 for every row, repeated responses and per-pair probabilities included (Monte Carlo)."""
+    host = _host([("wxyz", "abc", "abd"), ("wxyz", "abc", "xy"), ("wxyz", "xy", "abd"), ("pq", "a", "bcdef")],
+                 tokenizer)
+    probs = torch.tensor([0.5, 0.75, 0.3, 0.6], dtype=torch.float64)
+    for sampling in ("paired", "independent"):
+        scales = torch.stack([draw_masks(
+            host.input_ids, host.completion_mask, position_keep_prob=1.0, prefix_prune_prob=0.0, prefix_min_ratio=0.5,
+            branch_keep_prob=probs, branch_sampling=sampling, drop_common_prefix=False,
+            generator=mask_generator(1, step, 0, 0), attention_mask=host.attention_mask).branch_scale.double()
+            for step in range(4000)])
+        assert max_z(scales, torch.ones(8, dtype=torch.float64)) < 4.5
+
+
+def test_branch_gradient_with_repeats_is_unbiased(tokenizer, tmp_path):
+    """Through the trainer's own forward, prompt groups packed: the mean gradient over many branch draws is the exact
+    one (the 300 largest coordinates within 5 standard errors)."""
+    from test_unbiased import gradient_z
+
+    rows = group_rows([GROUPS[0][:2] + ("best",), GROUPS[2]])  # 4 + 2 pairs; 'best': one chosen in 4 pairs
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(rows), tmp_path,
+                            per_device_train_batch_size=len(rows), branch_keep_prob=0.5)
+    batch = first_batch(trainer, len(rows))
+    assert gradient_z(trainer, batch, 300) < 5.0
+    assert trainer.last_prune_stats["shared_pairs"] + trainer.last_prune_stats["split_pairs"] == len(rows)
+
+
+def test_a_lone_pair_plans_as_before(tokenizer):
+    """One pair per prompt: the prompt-group trees are the pair trees (the same packed row, token for token)."""
+    host = _host([("wxyz", "abc", "abd"), ("wxy", "xy", "xy"), ("pq", "a", "bcdef")], tokenizer)
+    scored = host.completion_mask[:, 1:].bool()
+    run = torch.ones(6, dtype=torch.bool)
+    grouped = plan_group(host, scored, run, row_trees(host, True), packed=True)
+    paired = plan_group(host, scored, run, pair_trees(torch.ones(3, dtype=torch.bool)), packed=True)
+    for name in ("input_ids", "position_ids", "shift_labels", "cu_seq_q", "cu_seq_k", "kv_index", "source"):
+        assert torch.equal(getattr(grouped, name), getattr(paired, name)), name
