@@ -1,6 +1,6 @@
 """The exactness matrix: every family `attention.EXACT_FAMILIES` names, as a tiny random-init model (hidden 32, 2
 layers), trains packed (`share_prompt` + `padding_free`) with stock DPOTrainer's loss (1e-5) and every parameter's
-gradient (1e-4 relative), with and without `prune_common_prefix`, gradient checkpointing off and on; windows are
+gradient (1e-4 relative) on a batch of 8 pairs and one prompt group of 3 pairs, with and without `prune_common_prefix`, gradient checkpointing off and on; windows are
 shorter than a row, so the sliding layers really slide. Then the families outside the table (checked on the first
 batch), the ones that fall back (one line), and the kernel check's keying per variant.
 
@@ -104,9 +104,19 @@ def tiny_family(name, tokenizer, **extra):
     return _seeded_without_dropout(config)
 
 
+# edge_rows' 8 pairs, then a prompt group (three responses, all three pairs: the prompt once, each response once)
+ROWS = edge_rows() + [{"prompt": "g: ", "chosen": a, "rejected": b}
+                      for a, b in (("abcdef", "abcxyz"), ("abcdef", "q"), ("abcxyz", "q"))]
+BATCH = len(ROWS)
+
+
+def exact(stock, pruned, **kw):
+    assert_exact(stock, pruned, batch_size=BATCH, **kw)
+
+
 def trainers(model, tokenizer, tmp_path, **pruned_kw):
-    data = Dataset.from_list(edge_rows())
-    kw = dict(per_device_train_batch_size=8, max_length=48)  # 48: the longest pairs are truncated; windows <= 7
+    data = Dataset.from_list(ROWS)
+    kw = dict(per_device_train_batch_size=BATCH, max_length=48)  # 48: the longest pairs are truncated; windows <= 7
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "stock", model=copy.deepcopy(model), **kw)
     pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "pruned",
                            model=copy.deepcopy(model), share_prompt=True, padding_free=True, **kw, **pruned_kw)
@@ -126,8 +136,8 @@ def test_family_packed_equals_stock(name, common_prefix, tokenizer, tmp_path):
     assert not [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert pruned._packed and pruned._share_backend is not None and not pruned._unproven  # packed, unchecked
     for checkpointing in (False, True) if pruned.model.supports_gradient_checkpointing else (False,):
-        assert_exact(stock, pruned, checkpointing=checkpointing)
-    assert pruned._packed and pruned.last_prune_stats["shared_pairs"] > 0
+        exact(stock, pruned, checkpointing=checkpointing)
+    assert pruned._packed and pruned.last_prune_stats["shared_pairs"] == BATCH
 
 
 # ------------------------------------------------------------------------------------- outside the tested table
@@ -143,8 +153,8 @@ def test_an_unknown_family_is_checked_once_then_packed(tokenizer, tmp_path, monk
                                                                                   original(self, inputs))[1])
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*ignored")
-        assert_exact(stock, pruned)
-        loss_and_grads(pruned, first_batch(pruned, 8))
+        exact(stock, pruned)
+        loss_and_grads(pruned, first_batch(pruned, BATCH))
     assert checks == [1] and pruned._packed and not pruned._unproven
 
 
@@ -159,11 +169,11 @@ def test_an_unknown_family_that_packs_wrong_falls_back_on_its_first_batch(common
                              prune_common_prefix=common_prefix)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_exact(stock, pruned)
+        exact(stock, pruned)
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(lines) == 1 and "mistral" in lines[0] and "first batch" in lines[0] and "\n" not in lines[0], lines
     assert not pruned._packed and pruned._uses_pruned_forward == common_prefix
-    assert_exact(stock, pruned)  # and after it
+    exact(stock, pruned)  # and after it
 
 
 @pytest.mark.parametrize("model_type, overrides", [
@@ -180,7 +190,7 @@ def test_recurrent_families_fall_back_without_a_check(model_type, overrides, tok
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(lines) == 1 and "recurrent or convolutional state" in lines[0], lines
     assert not pruned._packed and not pruned._unproven
-    assert_exact(stock, pruned)
+    exact(stock, pruned)
 
 
 @pytest.mark.parametrize("build, reason", [
@@ -203,7 +213,7 @@ def test_modules_outside_the_attention_interface_fall_back_with_one_line(build, 
     else:
         assert len(lines) == 1 and reason in lines[0], lines
         assert not pruned._packed
-    assert_exact(stock, pruned)
+    exact(stock, pruned)
 
 
 def _other(model_type, tokenizer, **kw):
@@ -300,7 +310,7 @@ def test_an_unknown_family_whose_packed_forward_fails_falls_back_in_one_line(tok
     stock, pruned = trainers(tiny_family("qwen3", tokenizer), tokenizer, tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_exact(stock, pruned)
+        exact(stock, pruned)
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(lines) == 1 and "packed forward failed (RuntimeError: Qwen3Attention did not pass" in lines[0], lines
     assert not pruned._packed and not pruned._uses_pruned_forward
