@@ -18,6 +18,7 @@ from test_unbiased import max_z
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import draw_branches, draw_masks, identical_rows, mask_generator
 from trl_pruned_dpo.method.plan import pair_trees, plan_group, prompt_groups, row_trees
+from trl_pruned_dpo.sampler import grouped_order
 
 # (prompt, responses best first): ragged, near-copies (a shared response start), one response a prefix of another,
 # a one-token answer; every pair of each ("all pairs") or the best against the rest
@@ -186,3 +187,67 @@ def test_a_lone_pair_plans_as_before(tokenizer):
     paired = plan_group(host, scored, run, pair_trees(torch.ones(3, dtype=torch.bool)), packed=True)
     for name in ("input_ids", "position_ids", "shift_labels", "cu_seq_q", "cu_seq_k", "kv_index", "source"):
         assert torch.equal(getattr(grouped, name), getattr(paired, name)), name
+
+
+# ------------------------------------------------------------------------------------------- the sampler (group_by_prompt)
+def test_grouped_order_keeps_groups_whole_where_they_fit():
+    sizes = [1, 2, 3, 4, 6, 2, 1, 5, 3, 3, 9]  # one group larger than a batch
+    groups, start = [], 0
+    for n in sizes:
+        groups.append(list(range(start, start + n)))
+        start += n
+    batch = 6
+    orders = [grouped_order(groups, batch, torch.Generator().manual_seed(seed)) for seed in (0, 0, 1)]
+    assert orders[0] == orders[1] and orders[0] != orders[2]  # a function of the seed
+    for order in orders:
+        assert sorted(order) == list(range(start))  # every pair once
+        batches = [order[i: i + batch] for i in range(0, len(order), batch)]
+        where = {i: b for b, chunk in enumerate(batches) for i in chunk}
+        split = [g for g in groups if len({where[i] for i in g}) > 1]
+        # at most the large group (two batches at least) and the batches' last remainders are split
+        assert groups[-1] in split and len(split) <= 3, split
+        for g in groups:  # a group's pairs stay in dataset order
+            assert [i for i in order if i in g] == g
+
+
+def test_group_by_prompt_batches_resume_and_ranks(tokenizer, tmp_path):
+    """The trainer's dataloader: each micro-batch holds whole prompt groups (here every group fits), the order is the
+    same for every process (it depends on the seed and epoch only), another epoch reorders, and skipping batches as
+    a resume does continues the same order."""
+    from accelerate import skip_first_batches
+
+    rows = group_rows()
+    shuffled = [rows[i] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()]
+    data = Dataset.from_list(shuffled)
+
+    def batches(trainer, epoch, skip=0):
+        loader = trainer.get_train_dataloader()
+        if skip:
+            loader = skip_first_batches(loader, skip)
+        loader.set_epoch(epoch)
+        return [tuple(tuple(ids) for ids in batch["input_ids"].tolist()) for batch in loader]
+
+    trainers = [build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / f"r{rank}",
+                              per_device_train_batch_size=10, group_by_prompt=True) for rank in range(2)]
+    first = batches(trainers[0], 0)
+    assert first == batches(trainers[1], 0) and first != batches(trainers[0], 1)
+    assert batches(trainers[0], 0, skip=1) == first[1:]
+    loader = trainers[0].get_train_dataloader()
+    loader.set_epoch(0)
+    seen = []  # the 4 groups (10, 6, 2, 1 pairs) in batches of 10: each group in one batch
+    for batch in loader:
+        host = batch["host_batch"]
+        prompt = (host.attention_mask.bool() & ~host.completion_mask.bool()).chunk(2)[0]
+        keys = {tuple(ids[keep].tolist()) for ids, keep in zip(host.input_ids.chunk(2)[0], prompt)}
+        assert not keys & set(seen)
+        seen += keys
+    assert len(seen) == 4
+    off = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "off",
+                        per_device_train_batch_size=10)
+    assert type(off._get_train_sampler()).__name__ != "PromptGroupSampler"
+
+
+def test_group_by_prompt_is_refused_with_another_sampling_strategy(tmp_path):
+    with pytest.raises(ValueError, match="group_by_prompt"):
+        PrunedDPOConfig(output_dir=str(tmp_path), group_by_prompt=True, train_sampling_strategy="group_by_length",
+                        bf16=False)

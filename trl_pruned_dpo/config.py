@@ -102,6 +102,13 @@ class PrunedDPOConfig(DPOConfig):
             row, no padding tokens executed. Exact, like `share_prompt`, and falls back like it (the same one warning)
             on models the packed layout does not support. A plain `DPOConfig` passed to the trainer
             keeps its own value (`False` by default) and `share_prompt=False`: stock behaviour.
+        group_by_prompt (`bool`, *optional*, defaults to `False`):
+            Keep the pairs of one prompt in the same micro-batch (a group larger than a batch is split), the groups
+            shuffled, the same order on every rank and on a resume. With `share_prompt`, a prompt group's prompt
+            then runs once and each distinct response once (docs/prompt_groups.md): on data with several pairs per
+            prompt (k sampled responses, rankings binarised into pairs) most of a step's tokens. It changes which
+            pairs share a batch (not which pairs an epoch sees). Off, pairs that happen to share a prompt within a
+            batch still share it.
         prune_seed (`int`, *optional*):
             Seed of the mask generator (an integer). Defaults to `seed`. Masks are a function of (prune_seed, global step,
             micro-step, process rank) only; they never draw from the global RNG.
@@ -170,6 +177,12 @@ class PrunedDPOConfig(DPOConfig):
             "models the packed layout does not support). Stock TRL ignores this field; `--padding_free false` "
             "turns it off."
         },
+    )
+    group_by_prompt: bool = field(
+        default=False,
+        metadata={"help": "Keep the pairs of one prompt in the same micro-batch (groups shuffled, split only when "
+                  "larger than a batch), so that a prompt runs once per batch and each distinct response once "
+                  "(docs/prompt_groups.md). Changes which pairs share a batch."},
     )
     prune_seed: int | None = field(
         default=None,
@@ -264,9 +277,12 @@ class PrunedDPOConfig(DPOConfig):
         unknown = [loss for loss in self.loss_type if loss not in TRL_LOSS_TYPES]
         if unknown and self.pruning_enabled:  # pruning off: TRL's own (later) error, as stock
             raise ValueError(f"Unknown `loss_type` {unknown}: choose among {list(TRL_LOSS_TYPES)}.")
-        for name in ("share_prompt", "padding_free"):
+        for name in ("share_prompt", "padding_free", "group_by_prompt"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be true or false, got {getattr(self, name)!r}.")
+        if self.group_by_prompt and self.train_sampling_strategy != "random":
+            raise ValueError(f"`group_by_prompt=True` chooses the training order itself; `train_sampling_strategy="
+                             f"{self.train_sampling_strategy!r}` would too. Keep one of the two.")
         if self.branch_sampling not in BRANCH_SAMPLINGS:
             raise ValueError(
                 f"`branch_sampling` must be one of {list(BRANCH_SAMPLINGS)}, got {self.branch_sampling!r}."

@@ -37,6 +37,7 @@ from .reference import (
     HOST_KEY, NON_MODEL_KEYS, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator,
 )
 from .safety import checkpoints, guards
+from .sampler import prompt_group_sampler
 from .safety.data_checks import VISION_ERROR, check_prunable, check_training_pairs
 from .seam import (
     DPOTrainer, Replay, as_pruned_config, check_compact_lm_head, compact_lm_head, logging_window, no_grad_block,
@@ -132,6 +133,12 @@ class PrunedDPOTrainer(DPOTrainer):
         return uses_pruned_forward(self.args) and self._stock_reason is None
 
     # ----------------------------------------------------------------------------------------------------------- data
+    def _get_train_sampler(self, train_dataset=None):
+        """`group_by_prompt`: a prompt's pairs in one micro-batch (sampler.py); otherwise TRL's own sampler."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        sampler = prompt_group_sampler(self.args, dataset, self._train_batch_size)
+        return sampler if sampler is not None else super()._get_train_sampler(train_dataset)
+
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
         if self._uses_pruned_forward:  # keep the per-token reference columns (once, however often it is called)
