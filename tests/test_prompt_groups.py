@@ -251,3 +251,43 @@ def test_group_by_prompt_is_refused_with_another_sampling_strategy(tmp_path):
     with pytest.raises(ValueError, match="group_by_prompt"):
         PrunedDPOConfig(output_dir=str(tmp_path), group_by_prompt=True, train_sampling_strategy="group_by_length",
                         bf16=False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_forests_against_a_naive_count(seed):
+    """Random prompt groups over a 3-token alphabet (so responses share starts, repeat, and end inside each other),
+    random scored masks (prefix and position pruning shapes): the packed row runs each (prompt group, tokens 0..p+1)
+    exactly once (the naive count: a set of tuples), and every scored cell sees exactly its row's tokens 0..p at
+    positions 0..p, and is labelled with its next token."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for group in range(int(torch.randint(2, 6, (1,), generator=g))):
+        prompt = torch.randint(3, 6, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+        answers = [torch.randint(3, 6, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(int(torch.randint(1, 5, (1,), generator=g)))]
+        rows += [(prompt, answers[a], answers[b]) for a, b in combinations(range(len(answers)), 2)] or [
+            (prompt, answers[0], answers[0])]
+    from benchmarks.host_plan import host_batch
+
+    host = host_batch(rows)
+    response = host.completion_mask[:, 1:].bool()
+    scored = response & (torch.rand(response.shape, generator=g) < 0.7)
+    run = torch.rand(response.size(0), generator=g) < 0.9
+    trees = row_trees(host, True)
+    group = plan_group(host, scored, run, trees, packed=True)
+    ids = host.input_ids
+    need = (scored.long() * torch.arange(1, scored.size(1) + 1)).amax(dim=1)
+    expected = {(int(trees[r]), tuple(ids[r, : p + 2].tolist())) for r in range(len(ids)) if run[r]
+                for p in range(int(need[r]))}
+    if expected:
+        assert group.tokens == len(expected)
+    for r, c in torch.nonzero(scored & run[:, None]).tolist():
+        token = int(group.source[r, c])
+        segment = int(torch.searchsorted(group.cu_seq_q, torch.tensor(token), right=True)) - 1
+        q0, q1 = int(group.cu_seq_q[segment]), int(group.cu_seq_q[segment + 1])
+        keys = group.kv_index[group.cu_seq_k[segment]: group.cu_seq_k[segment + 1]]
+        seen = keys[: token - q0 + keys.numel() - (q1 - q0) + 1]
+        assert group.input_ids[0, seen].tolist() == ids[r, : c + 1].tolist()
+        assert group.position_ids[0, seen].tolist() == list(range(c + 1))
+        assert int(group.shift_labels[0, token]) == int(ids[r, c + 1])
+    assert int((group.source >= 0).sum()) == int((scored & run[:, None]).sum())

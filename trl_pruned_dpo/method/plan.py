@@ -11,7 +11,7 @@ Labels are pre-shifted (`shift_labels`): a position carries the token it predict
 row's last token never runs. Grid column c (TRL's shifted coordinates, masks.py) is the output of input position c.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -30,6 +30,8 @@ class HostBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     completion_mask: torch.Tensor
+    # what the plan derives from the token ids alone, once per batch (several plans read it: policy, reference)
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 @dataclass
@@ -81,10 +83,12 @@ def work_counts(host: HostBatch, masks: PruneMasks) -> dict[str, int]:
 
 def real_tokens(host: HostBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, valid, offset): each row's real tokens moved to column 0 from its first real column `offset`."""
-    valid = host.attention_mask.bool()
-    offset = valid.long().argmax(dim=1)
-    real = torch.arange(valid.size(1)) < valid.sum(dim=1, keepdim=True)
-    return from_first_real(host.input_ids, offset), real, offset
+    if "real" not in host.derived:
+        valid = host.attention_mask.bool()
+        offset = valid.long().argmax(dim=1)
+        real = torch.arange(valid.size(1)) < valid.sum(dim=1, keepdim=True)
+        host.derived["real"] = from_first_real(host.input_ids, offset), real, offset
+    return host.derived["real"]
 
 
 def common_tokens(host: HostBatch) -> torch.Tensor:
@@ -130,7 +134,9 @@ def row_trees(host: HostBatch, share: bool) -> torch.Tensor:
     pairs = host.input_ids.size(0) // 2
     if not share:
         return pair_trees(torch.zeros(pairs, dtype=torch.bool))
-    return 2 * prompt_groups(host).repeat(2)
+    if "trees" not in host.derived:
+        host.derived["trees"] = 2 * prompt_groups(host).repeat(2)
+    return host.derived["trees"]
 
 
 def plan_group(host: HostBatch, scored: torch.Tensor, run: torch.Tensor, trees: torch.Tensor,
@@ -179,13 +185,13 @@ def plan_group(host: HostBatch, scored: torch.Tensor, run: torch.Tensor, trees: 
     labelled[token] = True
     shift_labels = torch.where(labelled, ids[reader, (position + 1).clamp(max=ids.size(1) - 1)], -100)
 
-    # keys: the node's ancestors, then the node itself (positions 0 .. end - 1; lower-right causal)
+    # keys: the node's ancestors, then the node itself (positions 0 .. end - 1; lower-right causal): each record of
+    # `key_nodes` (node by node, root first) lays its node's tokens next
     keys = forest.end
     cu_k = torch.cat([torch.zeros(1, dtype=torch.long), keys.cumsum(0)])
-    kseg = torch.repeat_interleave(torch.arange(keys.numel()), keys)
-    j = torch.arange(int(cu_k[-1])) - cu_k[kseg]
-    holder = locate(forest.seg_key, forest.seg_node, kseg, j)
-    kv_index = forest.first[holder] + j - forest.start[holder]
+    held = length[forest.key_nodes]
+    before = torch.cat([torch.zeros(1, dtype=torch.long), held.cumsum(0)[:-1]])
+    kv_index = torch.repeat_interleave(forest.first[forest.key_nodes] - before, held) + torch.arange(int(cu_k[-1]))
     cu_q = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
     return PackedGroup(shift_labels.view(1, -1), source, total, int(labelled.sum()), input_ids.view(1, -1),
                        position.view(1, -1), cu_q.int(), cu_k.int(), kv_index, int(length.max()), int(keys.max()),

@@ -8,8 +8,7 @@ tree [shared | chosen | rejected]; a prompt group with k distinct responses is [
 row, keyed on its ancestors' tokens then itself (lower-right causal, attention.py), its positions continuing theirs.
 
 Built from one lexicographic sort of the rows (`torch.unique(dim=0)`: identical rows merge) and the longest common
-prefix of neighbours in that order: the tree of a sorted range is split where that prefix is shortest (the
-LCP-interval tree). Python runs once per node (a few per row), tensors do everything per token.
+prefix of neighbours in that order (the LCP-interval tree), vectorised: no Python loop per node or token.
 """
 
 from dataclasses import dataclass
@@ -26,8 +25,8 @@ class Forest:
     start, end: (nodes,) the positions [start, end) a node runs; reader: (nodes,) a row whose tokens it reads; first:
     (nodes,) where its tokens start in the packed row; tree: (nodes,) its tree id. `row_key`, `row_node`: for each
     distinct sequence, the nodes on its path (root first) as searchsorted records keyed sequence * _WIDE + start.
-    `seg_key`, `seg_node`: the same for each node's keys (its ancestors, then itself); `distinct`: (rows,) the record
-    owner of each row (its distinct sequence; -1 for rows not running)."""
+    `key_nodes`: node by node, the nodes whose tokens are its keys (its ancestors, root first, then itself);
+    `distinct`: (rows,) the record owner of each row (its distinct sequence; -1 for rows not running)."""
 
     start: torch.Tensor
     end: torch.Tensor
@@ -36,8 +35,7 @@ class Forest:
     tree: torch.Tensor
     row_key: torch.Tensor
     row_node: torch.Tensor
-    seg_key: torch.Tensor
-    seg_node: torch.Tensor
+    key_nodes: torch.Tensor
     distinct: torch.Tensor
 
     @property
@@ -45,79 +43,65 @@ class Forest:
         return int((self.end - self.start).sum())
 
 
-def _sorted_rows(ids: torch.Tensor, length: torch.Tensor, trees: torch.Tensor, rows: torch.Tensor):
-    """(lens, lcp, inverse, reader) of the distinct sequences [tree id, tokens..] of `rows`, in lexicographic order:
-    lens their token counts, lcp[i] the common leading tokens of sequences i - 1 and i (-1: other trees), inverse the
-    sequence of each of `rows`, reader a row holding each sequence."""
-    width = int(length[rows].max())
-    cols = torch.arange(width)
-    tokens = torch.where(cols < length[rows, None], ids[rows, :width], -1)  # -1 sorts a prefix before its extensions
-    unique, inverse = torch.unique(torch.cat([trees[rows, None], tokens], dim=1), dim=0, return_inverse=True)
-    same = (unique[1:] == unique[:-1]).long().cumprod(dim=1).sum(dim=1) - 1
-    reader = torch.full((unique.size(0),), rows.numel(), dtype=torch.long).scatter_reduce(
-        0, inverse, torch.arange(rows.numel()), "amin")
-    return (unique[:, 1:] >= 0).sum(dim=1).tolist(), [0, *same.tolist()], inverse, rows[reader]
-
-
 def build_forest(ids: torch.Tensor, length: torch.Tensor, trees: torch.Tensor) -> Forest | None:
     """The forest of the rows with `length` > 1: row r's sequence is ids[r, :length[r]] (the positions it runs, then
     the token its last one predicts), rows of equal `trees` id share. ids: (rows, cols) real tokens from column 0.
-    None when no row runs."""
+    None when no row runs.
+
+    Sorted, a tree's distinct sequences are its leaves left to right, and every inner node is a run of neighbours
+    whose common prefix is at least its depth: the boundary between sequences i - 1 and i, with common prefix h[i],
+    belongs to the node of depth h[i] spanning from the previous boundary below h[i] to the next one. A node runs the
+    positions [parent depth - 1, its depth - 1) (a leaf: to its length - 1): position depth - 1 predicts a different
+    token in each child, so each child runs it (the pair's s - 1, docs/method.md). Everything is a (sequences x
+    sequences) comparison: no Python per node."""
     rows = torch.nonzero(length > 1).flatten()
     if not rows.numel():
         return None
-    lens, lcp, inverse, reader = _sorted_rows(ids, length, trees, rows)
-    start, end, read, parent, leaf = [], [], [], [], [0] * len(lens)
+    width = int(length[rows].max())
+    tokens = torch.where(torch.arange(width) < length[rows, None], ids[rows, :width], -1)  # -1: a prefix sorts first
+    unique, inverse = torch.unique(torch.cat([trees[rows, None], tokens], dim=1), dim=0, return_inverse=True)
+    u = unique.size(0)
+    lens = (unique[:, 1:] >= 0).sum(dim=1)
+    edge = torch.full((1,), -1, dtype=torch.long)  # another tree (or none) beyond either end
+    h = torch.cat([edge, (unique[1:] == unique[:-1]).long().cumprod(dim=1).sum(dim=1) - 1, edge])  # (u + 1,)
 
-    def grow(lo, hi, begin, up):
-        """The node of sorted range [lo, hi), running from position `begin`, under node `up`; then its children."""
-        common = lens[lo] if hi - lo == 1 else min(lcp[lo + 1: hi])
-        node = len(start)
-        start.append(begin), end.append(max(begin, common - 1)), read.append(lo), parent.append(up)
-        if hi - lo == 1:
-            leaf[lo] = node
-            return
-        # position common - 1 predicts a different token in each child: each runs it (the pair's s - 1, method.md)
-        cuts = [lo] + [i for i in range(lo + 1, hi) if lcp[i] == common] + [hi]
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            grow(a, b, max(common - 1, 0), node)
+    # inner nodes: per boundary b (1 .. u-1, same tree), the nearest boundaries on each side with a smaller prefix
+    b = torch.arange(1, u)
+    index = torch.arange(u + 1)
+    smaller = h[None, :] < h[b, None]
+    left = torch.where(smaller & (index[None, :] < b[:, None]), index, -1).amax(dim=1)
+    right = torch.where(smaller & (index[None, :] > b[:, None]), index, u + 1).amin(dim=1)
+    inner = h[b] >= 0
+    # one node per run: (first sequence, last + 1, depth = the common prefix of its boundaries)
+    span = torch.unique(torch.stack([left[inner], right[inner], h[b][inner]], dim=1), dim=0)
+    leaf = torch.arange(u)
+    lo = torch.cat([leaf, span[:, 0]])  # sequences lo .. hi - 1
+    hi = torch.cat([leaf + 1, span[:, 1]])
+    own = torch.cat([lens, span[:, 2]])
+    parent = h[lo].maximum(h[hi])  # the depth of the node above: the larger prefix at either edge
+    start = (parent - 1).clamp(min=0)
+    end = start.maximum(own - 1)
 
-    cuts = [0] + [i for i in range(1, len(lens)) if lcp[i] < 0] + [len(lens)]
-    for a, b in zip(cuts[:-1], cuts[1:]):  # one tree per id
-        grow(a, b, 0, -1)
+    # preorder (a node before the nodes inside it, left to right), empty nodes dropped
+    order = torch.argsort(lo * (u + 2) + (u + 1 - hi))
+    order = order[(end > start)[order]]
+    lo, hi, start, end = lo[order], hi[order], start[order], end[order]
+    first = torch.cat([torch.zeros(1, dtype=torch.long), (end - start).cumsum(0)[:-1]])
+    reader = rows[torch.zeros(u, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(rows.numel()), "amax",
+                                                                  include_self=False)]
 
-    # drop empty nodes (a pair's identical rows: one node; a row ending where its parent does), packed in preorder
-    keep = [e > s for s, e in zip(start, end)]
-    index, first, total = [-1] * len(start), [], 0
-    for n, k in enumerate(keep):
-        if k:
-            index[n] = len(first)
-            first.append(total)
-            total += end[n] - start[n]
-
-    def chain(n):  # the non-empty nodes from the root down to n, as packed indices
-        out = []
-        while n >= 0:
-            if keep[n]:
-                out.append(index[n])
-            n = parent[n]
-        return out[::-1]
-
-    row_chains = [chain(leaf[d]) for d in range(len(lens))]
-    seg_chains = [chain(n) for n in range(len(start)) if keep[n]]
-    kept = torch.tensor(keep)
-    start_t, end_t = torch.tensor(start)[kept], torch.tensor(end)[kept]
-    reader_t = reader[torch.tensor(read)[kept]]
-
-    def records(chains):
-        owner = torch.repeat_interleave(torch.arange(len(chains)), torch.tensor([len(c) for c in chains]))
-        node = torch.tensor([n for c in chains for n in c], dtype=torch.long)
-        return owner * _WIDE + start_t[node], node
+    def records(owner_lo, owner_hi):
+        """(keys, nodes) of each owner's nodes (the nodes whose span holds the owner's), sorted by owner then start."""
+        holds = (lo[None, :] <= owner_lo[:, None]) & (hi[None, :] >= owner_hi[:, None])
+        owner, node = torch.nonzero(holds, as_tuple=True)
+        key = owner * _WIDE + start[node]
+        key, sort = torch.sort(key)
+        return key, node[sort]
 
     distinct = torch.full((ids.size(0),), -1, dtype=torch.long)
     distinct[rows] = inverse
-    return Forest(start_t, end_t, reader_t, torch.tensor(first, dtype=torch.long), trees[reader_t],
-                  *records(row_chains), *records(seg_chains), distinct)
+    return Forest(start, end, reader[lo], first, trees[reader[lo]], *records(leaf, leaf + 1), records(lo, hi)[1],
+                  distinct)
 
 
 def locate(key: torch.Tensor, node: torch.Tensor, owner: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
