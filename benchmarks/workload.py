@@ -397,12 +397,13 @@ def build_trainer(
     output_dir: str | None = None,
     ref_model=None,
     learning_rate: float = 1e-6,
+    dataset=None,
 ):
     """`side` is "stock" (TRL's `DPOTrainer` + `DPOConfig`) or "pruned" (`PrunedDPOTrainer` + `PrunedDPOConfig`).
 
     `model` is this side's own copy; the reference is `ref_model`, else a (perturbed) deep copy of it (live
     reference), or none with `precompute_ref_log_probs=True` (then TRL precomputes with the policy itself, as it does
-    for users).
+    for users). `dataset`: the pairs (default: `build_dataset(w)`).
     """
     from trl import DPOConfig, DPOTrainer
 
@@ -448,7 +449,7 @@ def build_trainer(
         model=model,
         ref_model=ref_model.to(device) if ref_model is not None else None,
         args=args,
-        train_dataset=build_dataset(w),
+        train_dataset=build_dataset(w) if dataset is None else dataset,
         processing_class=load_tokenizer(w),
     )
 

@@ -4,6 +4,7 @@ unshared estimate under the same masks with every pruning; the tokens executed a
 with one response in several pairs stays unbiased."""
 
 import copy
+import os
 from itertools import combinations
 
 import pytest
@@ -291,3 +292,22 @@ def test_random_forests_against_a_naive_count(seed):
         assert group.position_ids[0, seen].tolist() == list(range(c + 1))
         assert int(group.shift_labels[0, token]) == int(ids[r, c + 1])
     assert int((group.source >= 0).sum()) == int((scored & run[:, None]).sum())
+
+
+def test_the_ranked_real_text_task():
+    """builtin:python-docs-ranked: per prompt 4 graded answers and all 6 pairs, together; held-out prompts unseen."""
+    from trl_pruned_dpo.demo.tasks import builtin_names, load_builtin
+
+    assert "builtin:python-docs-ranked" in builtin_names()
+    splits = load_builtin("builtin:python-docs-ranked")
+    for split in splits.values():
+        assert len(split) % 6 == 0 and len(split) >= 60
+        for start in range(0, len(split), 6):
+            group = split[start: start + 6]
+            assert len({str(p) for p in group["prompt"]}) == 1
+            answers = [group["chosen"][0][0]["content"]] + [r[0]["content"] for r in group["rejected"][:3]]
+            assert len(set(answers)) == 4  # best first: pairs (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
+            assert [c[0]["content"] for c in group["chosen"]] == [answers[i] for i in (0, 0, 0, 1, 1, 2)]
+            assert len(os.path.commonprefix(answers[:3])) >= 20  # near-copies: the opening sentence kept
+    train_prompts = {str(p) for p in splits["train"]["prompt"]}
+    assert not train_prompts & {str(p) for p in splits["test"]["prompt"]}

