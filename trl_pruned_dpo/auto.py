@@ -12,7 +12,6 @@ import math
 import torch
 from transformers import TrainerCallback
 
-from .metrics import log_run_mean
 from .reference import host_batch
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
@@ -84,7 +83,7 @@ class AutoKeepProbs(TrainerCallback):
         rare = probe in self.futile and turn % (RARELY * len(self.families)) >= len(self.families)
         return None if probe in idle or rare else probe
 
-    def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
+    def options(self, inputs, base_options: dict, step: int, micro_step: int) -> dict:
         """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
         at micro-step 0 it first decides from what earlier steps measured."""
         if micro_step == 0:
@@ -100,12 +99,15 @@ class AutoKeepProbs(TrainerCallback):
             options["branch_keep_prob"] = 1.0 if overlap is None else per_pair_branch_probs(overlap, float(branch))
         if self.args.position_keep_prob == "auto":
             options["position_keep_prob"] = float(position)
-        kept = options["branch_keep_prob"]  # the run's values, reduced over ranks at the logging step (metrics.py)
-        log_run_mean(trainer, "prune/branch_keep_prob", float(kept.sum() if torch.is_tensor(kept) else kept * pairs),
-                     pairs)
-        log_run_mean(trainer, "prune/position_keep_prob", float(options["position_keep_prob"]))
-        log_run_mean(trainer, "prune/auto_b_simple", min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
         return options
+
+    def run_means(self, options: dict, pairs: int) -> list[tuple[str, float, float]]:
+        """(name, total, count) of what this draw used: the run's means, reduced over ranks at the logging step
+        (metrics.py)."""
+        kept = options["branch_keep_prob"]
+        return [("prune/branch_keep_prob", float(kept.sum() if torch.is_tensor(kept) else kept * pairs), float(pairs)),
+                ("prune/position_keep_prob", float(options["position_keep_prob"]), 1.0),
+                ("prune/auto_b_simple", float(min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9)), 1.0)]
 
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model
@@ -155,20 +157,19 @@ class AutoKeepProbs(TrainerCallback):
         if step % 2 == 0:
             torch._foreach_copy_(self._parts, grads)
 
-    def on_substep_end(self, args, state, control, **kwargs):
-        stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units: forward 1, backward 2
-        self._work += sum(w * stats.get(f"{k}_tokens_executed", 0) for k, w in (("policy", 1), ("grad", 2),
-                                                                                   ("reference", 1)))
+    def add_work(self, counts: dict) -> None:
+        """A micro-step's work (its record's counts), in the plan's token units: forward 1, backward 2."""
+        self._work += sum(w * counts.get(f"{k}_tokens_executed", 0) for k, w in (("policy", 1), ("grad", 2),
+                                                                                    ("reference", 1)))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """One all-reduce of five scalars on every rank, every step (no sync here); read at the next decision."""
-        self.on_substep_end(args, state, control)
         if self.single:  # one micro-batch, one process: the pre-clip norm is its own gradient's
             self._small = self._clip ** 2 if self._clip is not None else None
         trainer, device = self.trainer, self.trainer.accelerator.device
         accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
         local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
-                             for x in (self._small, self._pairs, self._work, self._diff, trainer._step_loss)])
+                             for x in (self._small, self._pairs, self._work, self._diff, trainer.run_state.step_loss)])
         local[0] *= accumulation ** 2
         clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
         self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
