@@ -113,7 +113,7 @@ def time_row(w, side, attn, pruning, base, checkpointing, warmup, steps, device,
         model.set_attn_implementation(attn)
     trainer = build_trainer(side, w, model, precompute=False, checkpointing=checkpointing, pruning=pruning,
                             device=device, bf16=device == "cuda")
-    if side == "pruned" and not trainer._packed:
+    if side == "pruned" and not trainer.forward_choice.packed:
         raise RuntimeError("the packed path fell back to padded rows (see the warning above)")
     runner = Runner(trainer)
     try:

@@ -178,11 +178,12 @@ def plan(mode: str) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------- timing
 def _from_masks(trainer) -> dict:
-    """Two counts `last_prune_stats` lacks, from the pruned trainer's last masks (private; diagnostics only): scored
-    positions in the backpropagated rows, and the tokens the kept rows need (what a packed batch would execute)."""
-    masks = getattr(trainer, "_last_masks", None)
-    if masks is None:
+    """Two counts `last_prune_stats` lacks, from the pruned trainer's last masks (`last_micro_step`): scored positions
+    in the backpropagated rows, and the tokens the kept rows need (what a packed batch would execute)."""
+    record = getattr(trainer, "last_micro_step", None)
+    if record is None:
         return {}
+    masks = record.masks
     return dict(
         grad_positions=float(masks.scored[masks.backprop].sum()), needed_tokens=float(masks.executed.sum())
     )
@@ -251,12 +252,13 @@ def _step_record(side: str, runner: StepRunner, loss, measured: bool) -> dict:
     The layout comes from `last_prune_stats` (public): none reported means TRL's own padded forward ran (stock, or a
     setting the trainer fell back on); `shared_pairs` means the shared-prompt packing; otherwise one row per response,
     padded (each row runs its last token too) or, when fewer tokens ran than padded rows hold, packed (pre-shifted).
-    Prefix pruning changes what a row must run: its scored mask is read from the trainer's `_last_masks` (private,
-    diagnostics only; without it the count assumes every response position scored).
+    Prefix pruning changes what a row must run: its scored mask is read from the trainer's `last_micro_step` (without
+    it the count assumes every response position scored).
     """
     batch = runner.last_batch
     stats = (getattr(runner.trainer, "last_prune_stats", None) or {}) if side == "pruned" else {}
-    masks = getattr(runner.trainer, "_last_masks", None) if stats else None
+    record = getattr(runner.trainer, "last_micro_step", None) if stats else None
+    masks = record.masks if record is not None else None
     counts = layout_tokens(batch, masks.scored if masks is not None else None)
     if not stats:
         layout, executed = "trl-padded", batch["input_ids"].numel()

@@ -482,25 +482,13 @@ def _plugin_forward_trainer():
     """The `none` row's trainer: the plugin's own forward with nothing pruned (compacted head, masks at identity).
 
     With pruning off, `PrunedDPOTrainer` is TRL's own path (a drop-in); the benchmark's `none` row measures the
-    plugin's machinery instead, so that "vs none" isolates what each pruning buys. Benchmark-only, through the same
-    private seams as the parity tests (`_uses_pruned_forward`, `_pruned_loss`); no public flag.
+    plugin's machinery instead, so that "vs none" isolates what each pruning buys: the trainer's public hook
+    `always_pruned_forward` (the per-token reference columns, the collator and the pruned loss, as with pruning on).
     """
     from trl_pruned_dpo import PrunedDPOTrainer
-    from trl_pruned_dpo.reference import HostCopyCollator, PerTokenReferenceCollator
 
     class PluginForwardAtIdentity(PrunedDPOTrainer):
-        _uses_pruned_forward = True  # the per-token reference columns are stored and kept, as with pruning on
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            if self.args.precompute_ref_log_probs:
-                self.data_collator = PerTokenReferenceCollator(self.data_collator)
-            self.data_collator = HostCopyCollator(self.data_collator)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if not self.model.training:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            return self._pruned_loss(model, inputs, return_outputs)
+        always_pruned_forward = True
 
     return PluginForwardAtIdentity
 

@@ -89,7 +89,8 @@ def main(argv=None):
                     times = timed_run(trainer)
                 per_step[auto] += times[2:]
                 medians[auto], totals[auto] = statistics.median(times[2:]), totals[auto] + [sum(times)]
-                kinds = trainer._auto_probs.history[-1]["reason"][:60] if auto and trainer._auto_probs.history else ""
+                history = trainer.auto_keep_probs.history if auto else []
+                kinds = history[-1]["reason"][:60] if history else ""
                 print(f"round {r} auto={auto}: median step {medians[auto] * 1e3:.2f} ms, total {sum(times):.2f} s "
                       f"{kinds}", flush=True)
             ratios.append(medians[True] / medians[False])

@@ -42,7 +42,7 @@ def main(argv=None):
             for h in trainer.state.log_history if "loss" in h]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"steps": args.steps, "seconds": time.perf_counter() - started, "logs": logs,
-              "pairs_per_step": args.batch * args.accumulation, "history": trainer._auto_probs.history}
+              "pairs_per_step": args.batch * args.accumulation, "history": trainer.auto_keep_probs.history}
     args.out.write_text(json.dumps(record, indent=1, default=str))
 
 

@@ -33,7 +33,6 @@ branches' *parameter* gradients, and no joint law of one pair's masks recovers g
 pass; (2) works across pairs instead.
 """
 
-import functools
 import math
 
 import torch
@@ -44,7 +43,6 @@ from trl_pruned_dpo.method.masks import (
     PruneMasks,
     common_prefix,
     draw_branches,
-    draw_masks,
     prefix_inclusion_prob,
     response_index,
     shortest_prefix,
@@ -134,11 +132,14 @@ class PrototypePrunedDPOTrainer(PrunedDPOTrainer):
     mask_law = "trainer"
     balanced = False
 
-    def _draw_masks(self, inputs) -> PruneMasks:
+    def draw_masks(self, inputs, options: dict, generator: torch.Generator) -> PruneMasks:
+        """The trainer's public draw hook: the trainer's own draw, or a prototype law (and balanced branches)."""
         args = self.args
-        generator = self._next_mask_generator()
-        draw = draw_masks if self.mask_law == "trainer" else functools.partial(draw_law_masks, law=self.mask_law)
-        masks = draw(inputs["input_ids"], inputs["completion_mask"], **self._mask_options(), generator=generator)
+        if self.mask_law == "trainer":
+            masks = super().draw_masks(inputs, options, generator)
+        else:
+            masks = draw_law_masks(inputs["input_ids"], inputs["completion_mask"], law=self.mask_law, **options,
+                                   generator=generator)
         if self.balanced and args.branch_keep_prob < 1:
             if args.branch_sampling != "paired":
                 raise ValueError("balanced branch sampling is a variant of branch_sampling='paired'")

@@ -192,7 +192,7 @@ def run(setting: Setting, seed: int, policy_dir: str, train_ds, eval_ds, gen_row
 
 def _auto_record(trainer) -> dict:
     """What `auto` measured and chose (trl_pruned_dpo/auto.py), and the time its measurements took."""
-    auto = getattr(trainer, "_auto_probs", None)
+    auto = getattr(trainer, "auto_keep_probs", None)
     if auto is None:
         return {}
     # its measurement runs no extra pass (gradient norms of the steps themselves): no work of its own to count

@@ -169,14 +169,15 @@ def _train(tokenizer, dataset, tmp_path, record=None, **overrides):
                   use_cpu=True, learning_rate=1e-4, logging_steps=1)
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path, **{**config, **overrides})
     if record is not None:
-        draw = trainer._draw_masks
+        forward = trainer.concatenated_forward
 
-        def recording(inputs):
-            masks = draw(inputs)
-            record.append((*trainer._mask_step, masks.backprop.int().tolist(), masks.weights.sum().item()))
-            return masks
+        def recording(model, inputs):
+            outputs = forward(model, inputs)
+            done = trainer.last_micro_step
+            record.append((*done.step, done.masks.backprop.int().tolist(), done.masks.weights.sum().item()))
+            return outputs
 
-        trainer._draw_masks = recording
+        trainer.concatenated_forward = recording
     return trainer
 
 
@@ -200,7 +201,7 @@ def test_auto_measures_from_the_norms_training_computes(tokenizer, far_dataset, 
     draws = []
     trainer = _train(tokenizer, far_dataset, tmp_path / "auto", record=draws, **case)
     trainer.train()
-    probs = trainer._auto_probs
+    probs = trainer.auto_keep_probs
     assert probs.history and probs.history[0]["step"] <= (12 if probs.single else 10), probs.history
     assert math.isfinite(probs.history[0]["b_simple"]) and probs.history[0]["b_simple"] > 0
     assert probs.stats.count("ratio_branch") >= 1.9 and probs.stats.count("trace_exact") >= 1.9
@@ -234,10 +235,10 @@ def test_resume_reproduces_the_masks(tokenizer, far_dataset, tmp_path, case):
     assert [d[:2] for d in resumed] == [d[:2] for d in later]
     for a, b in zip(resumed, later):
         assert a[2] == b[2] and a[3] == pytest.approx(b[3]), a[:2]
-    assert again._auto_probs.choice == trainer._auto_probs.choice
-    sums = again._auto_probs.stats.sums
-    assert sums.keys() == trainer._auto_probs.stats.sums.keys()
-    assert all(sums[k] == pytest.approx(v) for k, v in trainer._auto_probs.stats.sums.items())
+    assert again.auto_keep_probs.choice == trainer.auto_keep_probs.choice
+    sums = again.auto_keep_probs.stats.sums
+    assert sums.keys() == trainer.auto_keep_probs.stats.sums.keys()
+    assert all(sums[k] == pytest.approx(v) for k, v in trainer.auto_keep_probs.stats.sums.items())
 
 
 def test_one_process_reads_the_unclipped_gradients(tokenizer, far_dataset, tmp_path):
@@ -247,7 +248,7 @@ def test_one_process_reads_the_unclipped_gradients(tokenizer, far_dataset, tmp_p
     trainer = _train(tokenizer, far_dataset, tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                      max_steps=8, max_grad_norm=1e-4)
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    raw, sent, probs = {}, {}, trainer._auto_probs
+    raw, sent, probs = {}, {}, trainer.auto_keep_probs
     def keep(i, grad):  # a parameter's gradient may arrive in pieces: summed, as `.grad` sums them
         parts = raw.setdefault(trainer.state.global_step, {})
         parts[i] = grad.flatten().double() + parts.get(i, 0.0)
@@ -323,7 +324,7 @@ def test_first_decision_comes_early(tokenizer, far_dataset, tmp_path, monkeypatc
     monkeypatch.setattr(auto, "head_share", lambda config: 0.3)  # position pruning can save MIN_GAIN
     trainer = _train(tokenizer, far_dataset, tmp_path, position_keep_prob="auto", **case)
     trainer.train()
-    probs = trainer._auto_probs
+    probs = trainer.auto_keep_probs
     assert probs.families == ["branch", "position"]
     assert [probs.kind(block * per_block) for block in range(first + 8)] == ["exact"] * first + [
         "branch", "exact", "branch", "exact", "position", "exact", "position", "exact"]

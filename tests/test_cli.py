@@ -24,6 +24,8 @@ import yaml
 from trl_pruned_dpo import cli
 from trl_pruned_dpo.demo import build_tokenizer, is_correct, make_dataset, resolve_model, solve
 from trl_pruned_dpo.demo.tasks import TASKS, load_builtin
+from trl_pruned_dpo.forward_choice import ForwardChoice
+from trl_pruned_dpo.safety.run_state import RunState
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -203,7 +205,8 @@ def test_summary_one_short_line_per_fact_and_no_unexplained_na():
     logs = [{"loss": 0.7, "rewards/accuracies": 0.5, "prune/tokens_executed": 0.8, "step": 5},
             {"loss": 0.6, "rewards/accuracies": 0.75, "prune/tokens_executed": 0.6, "step": 10},
             {"eval_rewards/accuracies": 0.625, "step": 10}, {"train_runtime": 3.0, "train_loss": 0.65, "step": 10}]
-    trainer = SimpleNamespace(args=args, state=SimpleNamespace(global_step=10, log_history=logs))
+    trainer = SimpleNamespace(args=args, state=SimpleNamespace(global_step=10, log_history=logs), run_state=RunState(),
+                              forward_choice=ForwardChoice(pruned=True), auto_keep_probs=None)
     text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
     assert "pruning                  prefix_prune_prob 0.5 (min ratio 0.5), branch_keep_prob 0.5 (paired)" in text
     assert "steps                    10 (160 pairs), 3.0 s of training, 9.0 s in all" in text
@@ -218,7 +221,7 @@ def test_summary_one_short_line_per_fact_and_no_unexplained_na():
     assert "auto chose" not in text
     # With "auto": the verdict of its last choice in the summary, the whole reason on the line above it.
     reason = "keep everything (none saves 5% within +5% steps): B_simple <= 95.8 vs 8 pairs per step; " + "x" * 300
-    trainer._auto_probs = SimpleNamespace(history=[{"step": 180, "branch_keep_prob": 1.0, "position_keep_prob": 1.0,
+    trainer.auto_keep_probs = SimpleNamespace(history=[{"step": 180, "branch_keep_prob": 1.0, "position_keep_prob": 1.0,
                                                     "reason": reason}])
     text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
     assert text.splitlines()[0] == f"auto at step 180: {reason}"
@@ -231,12 +234,12 @@ def test_summary_one_short_line_per_fact_and_no_unexplained_na():
     assert "exact savings            off (share_prompt and padding_free false): padded rows, as stock" in text
     # the exact savings (on by default): said, with how to turn them off; or that the model ran padded rows instead
     args.share_prompt = args.padding_free = True
-    trainer._packed = True
+    trainer.forward_choice = ForwardChoice(pruned=True, packed=True, share_prompt=True)
     text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
     assert ("  exact savings            share_prompt, padding_free (exact; off: --share_prompt false --padding_free "
             "false)") in text.splitlines()
     assert all(len(line) <= 120 for line in text.splitlines() if "->" not in line and "auto at" not in line)
-    trainer._packed = False
+    trainer.forward_choice = ForwardChoice(pruned=True, why="its attention cannot run packed")
     text = cli.summarize(trainer, "builtin:tiny-demo", "/cache/x", 9.0)
     assert "exact savings            share_prompt, padding_free ignored for this model: padded rows ran" in text
 

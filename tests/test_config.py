@@ -118,7 +118,7 @@ def test_trainer_promotes_a_plain_dpo_config_with_pruning_off(tokenizer, dataset
     assert isinstance(trainer.args, PrunedDPOConfig) and not trainer.args.pruning_enabled
     # not PrunedDPOConfig's defaults (exact savings on): share_prompt off, the user's own padding_free (stock's False)
     assert trainer.args.share_prompt is False and trainer.args.padding_free is False
-    assert not uses_pruned_forward(trainer.args) and not trainer._packed  # stock TRL's own code
+    assert not uses_pruned_forward(trainer.args) and not trainer.forward_choice.packed  # stock TRL's own code
     assert trainer.args.beta == 0.3 and trainer.args.prune_seed == trainer.args.seed
     trainer.train()
     assert not any(k.startswith("prune/") for k in trainer.state.log_history[0])

@@ -9,9 +9,11 @@ from accelerate.parallelism_config import ParallelismConfig
 from trl import DPOConfig, DPOTrainer
 
 import trl_pruned_dpo.trainer as trainer_module
-from tiny import SAVINGS_OFF, build_trainer, first_batch, preference_rows, tiny_model, tiny_moe_model
+from tiny import SAVINGS_OFF, build_trainer, first_batch, loss_and_grads, preference_rows, tiny_model, tiny_moe_model
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.seam import _HeadRows, head_rows_scored
+from trl_pruned_dpo.method.masks import mask_generator
+from trl_pruned_dpo.pruned_forward import pruned_reference
 from trl_pruned_dpo.reference import REF_TOKEN_COLUMNS
 
 
@@ -71,7 +73,7 @@ def test_moe_aux_loss_is_the_grad_rows_own_and_logged_under_its_stock_name(token
     metrics = trainer._metrics["train"]
     assert "prune/aux_loss_grad_rows" not in metrics and len(metrics["aux_loss"]) == 1
     # the model's own load-balancing loss on the rows that ran with grad, over their executed columns
-    masks = trainer._last_masks
+    masks = trainer.last_micro_step.masks
     rows = torch.nonzero((masks.executed > 0) & masks.backprop).flatten()
     width = int(masks.executed[rows].max())
     with torch.no_grad():
@@ -116,7 +118,7 @@ def test_common_prefix_metrics_move_to_names_that_say_what_they_cover(tokenizer,
     with torch.no_grad():
         trainer.compute_loss(trainer.model, batch)
         metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-        exact = trainer._last_masks.exact
+        exact = trainer.last_micro_step.masks.exact
         labels = torch.full_like(batch["input_ids"], -100)
         labels[:, 1:] = torch.where(exact, batch["input_ids"][:, 1:], -100)
         out = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels,
@@ -149,11 +151,12 @@ def test_precomputed_reference_bf16_matches_stock_and_the_live_reference(tokeniz
         torch.testing.assert_close(sums, stored[f"ref_{branch}_logps"], rtol=1e-5, atol=1e-4)
     # the same masks on the stored and on the live reference (the live one runs under the trainer's autocast)
     batch_pre, batch_live = first_batch(pre), first_batch(live)
-    masks = pre._draw_masks(batch_pre)  # on the host, which is also the device here
+    # On the host, which is also the device here; padded rows on both sides.
+    masks = pre.draw_masks(batch_pre, pre.args.mask_options(), mask_generator(0, 0, 0, 0))
     with torch.no_grad(), pre.autocast_smart_context_manager():
-        from_store = pre._pruned_reference(pre.model, batch_pre, masks, masks)
+        from_store = pruned_reference(pre, batch_pre, masks, masks, (False, False), {})
     with torch.no_grad(), live.autocast_smart_context_manager():
-        from_live = live._pruned_reference(live.model, batch_live, masks, masks)
+        from_live = pruned_reference(live, batch_live, masks, masks, (False, False), {})
     for a, b in zip(from_store, from_live):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=2e-2)
 
@@ -174,7 +177,7 @@ def test_decoder_and_head_see_only_the_kept_rows_and_columns(tokenizer, dataset,
             trainer.compute_loss(trainer.model, batch)
     finally:
         hook.remove()
-    masks = trainer._last_masks
+    masks = trainer.last_micro_step.masks
     needed = masks.executed > 0
     expected = []
     for rows in (needed & masks.backprop, needed & ~masks.backprop):
@@ -186,6 +189,20 @@ def test_decoder_and_head_see_only_the_kept_rows_and_columns(tokenizer, dataset,
 
 
 # ---------------------------------------------------------------------------------------------- the replay seam
+def test_seam_private_attributes_exist(tokenizer, dataset, tmp_path):
+    """The TRL and transformers privates seam.py reads directly, each with the meaning it relies on: TRL's cached
+    DeepSpeed engine of its precompute (None until one is needed), the run's output folder, and TRL's train metrics
+    (the lists its `log` averages)."""
+    from trl_pruned_dpo.seam import run_output_dir, train_metrics
+
+    trainer = pruned(tokenizer, dataset, tmp_path, position_keep_prob=0.5)
+    assert trainer._precompute_engine is None
+    assert run_output_dir(trainer) == trainer.args.output_dir == str(tmp_path)
+    loss_and_grads(trainer, first_batch(trainer))
+    logged = train_metrics(trainer)
+    assert logged is trainer._metrics["train"] and logged["prune/positions_scored"]
+
+
 def test_replay_seam_assumptions(tokenizer, dataset, tmp_path, monkeypatch):
     """`_Replay` stands in for the model in TRL's `_compute_loss`: called once, only per-token fields read, the
     reference read from the batch (never a model call), each TRL metric appended exactly once per call."""

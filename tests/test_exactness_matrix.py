@@ -21,6 +21,7 @@ from conftest import build_trainer, first_batch, loss_and_grads
 from test_packed import assert_exact, naive_varlen, windowed_varlen
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo import forward_choice
 from trl_pruned_dpo.method import attention
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -134,10 +135,12 @@ def test_family_packed_equals_stock(name, common_prefix, tokenizer, tmp_path):
         warnings.simplefilter("always")
         stock, pruned = trainers(tiny_family(name, tokenizer), tokenizer, tmp_path, prune_common_prefix=common_prefix)
     assert not [str(w.message) for w in caught if "ignored" in str(w.message)]
-    assert pruned._packed and pruned._share_backend is not None and not pruned._unproven  # packed, unchecked
+    # Packed, unchecked.
+    choice = pruned.forward_choice
+    assert choice.packed and choice.share_prompt and not choice.unproven
     for checkpointing in (False, True) if pruned.model.supports_gradient_checkpointing else (False,):
         exact(stock, pruned, checkpointing=checkpointing)
-    assert pruned._packed and pruned.last_prune_stats["shared_pairs"] == BATCH
+    assert pruned.forward_choice.packed and pruned.last_prune_stats["shared_pairs"] == BATCH
 
 
 # ------------------------------------------------------------------------------------- outside the tested table
@@ -146,16 +149,20 @@ def test_an_unknown_family_is_checked_once_then_packed(tokenizer, tmp_path, monk
     forwards of a few pairs each, no grad), agrees, and the run is packed with stock's numbers; no second check."""
     monkeypatch.delitem(attention.EXACT_FAMILIES, "llama")
     stock, pruned = trainers(tiny_family("llama", tokenizer), tokenizer, tmp_path)
-    assert pruned._packed and pruned._unproven
+    assert pruned.forward_choice.packed and pruned.forward_choice.unproven
     checks = []
-    original = PrunedDPOTrainer._check_packed
-    monkeypatch.setattr(PrunedDPOTrainer, "_check_packed", lambda self, inputs: (checks.append(1),
-                                                                                  original(self, inputs))[1])
+    original = forward_choice.check_first_batch
+
+    def counted(*args):
+        checks.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(forward_choice, "check_first_batch", counted)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*ignored")
         exact(stock, pruned)
         loss_and_grads(pruned, first_batch(pruned, BATCH))
-    assert checks == [1] and pruned._packed and not pruned._unproven
+    assert checks == [1] and pruned.forward_choice.packed and not pruned.forward_choice.unproven
 
 
 @pytest.mark.parametrize("common_prefix", [False, True], ids=["stock-forward", "padded-rows"])
@@ -172,7 +179,7 @@ def test_an_unknown_family_that_packs_wrong_falls_back_on_its_first_batch(common
         exact(stock, pruned)
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(lines) == 1 and "mistral" in lines[0] and "first batch" in lines[0] and "\n" not in lines[0], lines
-    assert not pruned._packed and pruned._uses_pruned_forward == common_prefix
+    assert not pruned.forward_choice.packed and pruned.forward_choice.pruned == common_prefix
     exact(stock, pruned)  # and after it
 
 
@@ -189,7 +196,7 @@ def test_recurrent_families_fall_back_without_a_check(model_type, overrides, tok
         stock, pruned = trainers(tiny_family(model_type, tokenizer), tokenizer, tmp_path)
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(lines) == 1 and "recurrent or convolutional state" in lines[0], lines
-    assert not pruned._packed and not pruned._unproven
+    assert not pruned.forward_choice.packed and not pruned.forward_choice.unproven
     exact(stock, pruned)
 
 
@@ -209,10 +216,10 @@ def test_modules_outside_the_attention_interface_fall_back_with_one_line(build, 
         stock, pruned = trainers(build(tokenizer), tokenizer, tmp_path)
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     if reason is None:
-        assert not lines and pruned._packed
+        assert not lines and pruned.forward_choice.packed
     else:
         assert len(lines) == 1 and reason in lines[0], lines
-        assert not pruned._packed
+        assert not pruned.forward_choice.packed
     exact(stock, pruned)
 
 
@@ -313,7 +320,7 @@ def test_an_unknown_family_whose_packed_forward_fails_falls_back_in_one_line(tok
         exact(stock, pruned)
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(lines) == 1 and "packed forward failed (RuntimeError: Qwen3Attention did not pass" in lines[0], lines
-    assert not pruned._packed and not pruned._uses_pruned_forward
+    assert not pruned.forward_choice.packed and not pruned.forward_choice.pruned
 
 
 def test_the_verdict_reads_the_model_file_through_a_wrapper_subclass(tokenizer):

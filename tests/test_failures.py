@@ -201,7 +201,7 @@ def test_interrupted_save_is_skipped_and_resume_matches_uninterrupted(stage, tok
     assert "checkpoint-2" in caplog.text and "skipped incomplete checkpoint-4" in caplog.text
     final, log = uninterrupted
     assert all(torch.equal(final[k], v) for k, v in weights(resumed.model).items())
-    assert resumed.restored_logging_window
+    assert resumed.run_state.restored_logging_window
     # item 9: the entries logged after the resume (steps 3 and 6) equal the uninterrupted run's
     assert logged(resumed)[-3:] == log[-3:]
     assert checkpoints.incomplete_reason(tmp_path / "checkpoint-4") is None  # rewritten whole
@@ -478,7 +478,7 @@ def test_guard_default_follows_pruning(tokenizer, data, tmp_path, monkeypatch):
     off = trainer_for(tokenizer, data, tmp_path / "off", max_steps=3, save_strategy="no", branch_keep_prob=1.0,
                       prefix_prune_prob=0.0, **SAVINGS_OFF)
     off.train()
-    assert off.state.global_step == 3 and off.divergence_guard.steps == 0  # nothing read, nothing stopped
+    assert off.state.global_step == 3 and off.run_state.divergence_guard.steps == 0  # nothing read, nothing stopped
     asked = trainer_for(tokenizer, data, tmp_path / "asked", max_steps=3, save_strategy="no", branch_keep_prob=1.0,
                         prefix_prune_prob=0.0, stop_on_divergence=True, **SAVINGS_OFF)
     with pytest.raises(TrainingDiverged, match="diverged at step 2: loss is nan"):
@@ -512,7 +512,7 @@ def test_nan_loss_stops_without_checkpointing_it(tokenizer, data, tmp_path, monk
     monkeypatch.setattr(PrunedDPOTrainer, "compute_loss", poisoned)
     optout = trainer_for(tokenizer, data, tmp_path / "optout", max_steps=4, stop_on_divergence=False)
     optout.train()
-    assert optout.state.global_step == 4 and optout.divergence_guard.steps == 0
+    assert optout.state.global_step == 4 and optout.run_state.divergence_guard.steps == 0
 
 
 def test_warns_before_training_on_alarming_settings(tokenizer, data, tmp_path):

@@ -99,7 +99,7 @@ def pair_of_trainers(build, tokenizer, tmp_path, stock_kw=None, rows=None, **pru
 @pytest.mark.parametrize("build", EXACT, ids=lambda b: b.__name__)
 def test_family_packed_equals_stock(build, setting, checkpointing, tokenizer, tmp_path):
     stock, pruned = pair_of_trainers(build, tokenizer, tmp_path, **ONLY[setting])
-    assert pruned._packed and (pruned._share_backend is not None) == (setting == "share_prompt")
+    assert pruned.forward_choice.packed and pruned.forward_choice.share_prompt == (setting == "share_prompt")
     assert_exact(stock, pruned, checkpointing=checkpointing)
     stats = pruned.last_prune_stats
     # no padding: every executed position is a real token that some scored cell needs (shared ones once)
@@ -133,7 +133,7 @@ def test_default_config_trains_packed_and_matches_stock(tokenizer, dataset, tmp_
     pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p")
     args = pruned.args
     assert args.share_prompt and args.padding_free and not args.pruning_enabled  # the defaults, nothing passed
-    assert pruned._packed and pruned._share_backend is not None
+    assert pruned.forward_choice.packed and pruned.forward_choice.share_prompt
     (step1_s, step1_p), _ = train_and_compare_histories(stock, pruned)
     assert abs(step1_p["loss"] - step1_s["loss"]) <= 1e-5
     stats = pruned.last_prune_stats  # the last micro-step's counts: every executed token is a needed real one, the
@@ -154,7 +154,7 @@ def test_default_config_falls_back_on_an_unsupported_model(tokenizer, tmp_path):
     messages = [str(w.message) for w in caught if "ignored" in str(w.message)]
     assert len(messages) == 1 and "padding_free and share_prompt ignored" in messages[0], messages
     assert "ALiBi" in messages[0] and "\n" not in messages[0]
-    assert not pruned._packed and pruned._share_backend is None
+    assert not pruned.forward_choice.packed and not pruned.forward_choice.share_prompt
     assert_exact(stock, pruned)
     pruned.train()
     losses = [h["loss"] for h in pruned.state.log_history if "loss" in h]
@@ -172,8 +172,8 @@ def test_fallback_one_line_and_exact(build, reason, estimator, tokenizer, tmp_pa
                                          prune_common_prefix=estimator)
     messages = [str(w.message) for w in caught if "padding_free and share_prompt ignored" in str(w.message)]
     assert len(messages) == 1 and reason in messages[0], messages
-    assert not pruned._packed and pruned._share_backend is None
-    assert pruned._uses_pruned_forward == estimator
+    assert not pruned.forward_choice.packed and not pruned.forward_choice.share_prompt
+    assert pruned.forward_choice.pruned == estimator
     assert ("TRL's own forward runs" in messages[0]) != estimator
     assert_exact(stock, pruned)
 
@@ -224,11 +224,11 @@ def test_left_padded_batches_pack_their_real_tokens(setting, common, tokenizer, 
     assert bool((batch["attention_mask"][:, 0] == 0).any())  # really left-padded
     assert_exact(stock, pruned)
     if common:  # found despite the padding: as many cells skipped as in the right-padded batch
-        skipped = [int((~pruned._last_masks.exact & batch["completion_mask"][:, 1:].bool()).sum())]
+        skipped = [int((~pruned.last_micro_step.masks.exact & batch["completion_mask"][:, 1:].bool()).sum())]
         pruned.data_collator.collator = original
         batch = first_batch(pruned, 8)
         loss_and_grads(pruned, batch)
-        skipped.append(int((~pruned._last_masks.exact & batch["completion_mask"][:, 1:].bool()).sum()))
+        skipped.append(int((~pruned.last_micro_step.masks.exact & batch["completion_mask"][:, 1:].bool()).sum()))
         assert skipped[0] == skipped[1] > 0, skipped
 
 
@@ -410,5 +410,5 @@ def test_no_device_reads_in_a_packed_micro_step(tokenizer, tmp_path, monkeypatch
                             per_device_train_batch_size=2, padding_free=True, share_prompt=True, branch_keep_prob=0.5)
     counts = count_reads(monkeypatch, trainer)
     trainer.train()
-    assert trainer._packed and counts[("micro-step", "calls")] == STEPS * ACCUMULATION
+    assert trainer.forward_choice.packed and counts[("micro-step", "calls")] == STEPS * ACCUMULATION
     assert counts[("micro-step", "read")] == 0 and counts[("micro-step", "collective")] == 0

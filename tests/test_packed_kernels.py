@@ -145,6 +145,6 @@ def test_train_gives_the_users_attention_back(tokenizer, tmp_path):
     _, pruned = pair_of_trainers(family("qwen2"), tokenizer, tmp_path, share_prompt=True, padding_free=True,
                                  max_steps=1)
     pruned.train()
-    assert pruned._packed
+    assert pruned.forward_choice.packed
     assert pruned.model.config._attn_implementation == "sdpa"
     assert pruned.ref_model.config._attn_implementation == "sdpa"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -122,3 +124,40 @@ def test_regimes_quick_smoke(tmp_path):
     assert report.startswith("<!-- regimes:start -->") and "| dissimilar | 8 |" in report
     auto_row = next(line for line in report.splitlines() if line.startswith("| dissimilar | 8 | auto"))
     assert "nan" not in auto_row  # the equal-seconds reading comes from the round-robin timing
+
+
+def _prototype_settings() -> list[str]:
+    from evaluation.settings import SETTINGS
+
+    return [name for name, setting in SETTINGS.items() if setting.prototype]
+
+
+@pytest.mark.parametrize("name", _prototype_settings())
+def test_every_prototype_setting_trains(name, tokenizer, dataset, tmp_path):
+    """Every prototype setting of the study (evaluation/prototypes.py: mask laws, balanced branches, annealing) trains
+    two steps on the tiny model through the trainer's public draw hook, its own draw used at every micro-step."""
+    import math
+
+    from evaluation.prototypes import AnnealKeepProbs, prototype_class
+    from evaluation.settings import SETTINGS
+    from tiny import build_trainer
+    from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+
+    setting = SETTINGS[name]
+    custom_draw = setting.mask_law != "trainer" or setting.balanced
+    cls = prototype_class(setting.mask_law, setting.balanced) if custom_draw else PrunedDPOTrainer
+    trainer = build_trainer(cls, PrunedDPOConfig, tokenizer, dataset, tmp_path, **setting.pruning)
+    if setting.anneal:
+        trainer.add_callback(AnnealKeepProbs(setting.anneal, horizon=2))
+    draws = []
+    original = trainer.draw_masks
+
+    def counted(inputs, options, generator):
+        draws.append(options["branch_keep_prob"])
+        return original(inputs, options, generator)
+
+    trainer.draw_masks = counted
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert len(draws) == 2

@@ -149,7 +149,7 @@ def test_saved_folder_is_plain_fp32(model_path):
                          ids=["defaults-checkpointing", "defaults-no-checkpointing", "prune-common-prefix"])
 def test_exact_against_stock(config, models, tokenizer, stock_step):
     plugin = trainer(PrunedDPOTrainer, models, tokenizer, short_pairs(), **config)
-    assert plugin.args.share_prompt and plugin.args.padding_free and plugin._packed
+    assert plugin.args.share_prompt and plugin.args.padding_free and plugin.forward_choice.packed
     assert_exact(stock_step, step(plugin))
     stats = plugin.last_prune_stats
     assert stats["shared_pairs"] == PAIRS

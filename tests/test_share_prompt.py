@@ -83,7 +83,7 @@ def test_shared_equals_unshared_and_stock(build, attn, case, tokenizer, tmp_path
         return build_trainer(cls, config, tokenizer, data, tmp_path / name, model=copy.deepcopy(model), **kw, **extra)
 
     shared = make(PrunedDPOTrainer, PrunedDPOConfig, "shared", **SHARED)
-    assert shared._share_backend == PACKED and shared._packed
+    assert shared.forward_choice.share_prompt and shared.forward_choice.packed
     assert_same_step(make(DPOTrainer, DPOConfig, "stock"), shared, batch_size=8)
     unshared = make(PrunedDPOTrainer, PrunedDPOConfig, "unshared", **SAVINGS_OFF)
     assert_same_loss_and_grads(unshared, shared)
@@ -208,7 +208,7 @@ def test_unsupported_model_falls_back_with_one_warning(tokenizer, dataset, tmp_p
                                 **SHARED)
     messages = [str(w.message) for w in caught if "share_prompt" in str(w.message)]
     assert len(messages) == 1 and "attention dropout" in messages[0]
-    assert trainer._share_backend is None and not trainer._packed
+    assert not trainer.forward_choice.share_prompt and not trainer.forward_choice.packed
     loss, _ = loss_and_grads(trainer, first_batch(trainer))
     assert torch.isfinite(loss) and "shared_pairs" not in trainer.last_prune_stats
 
@@ -227,13 +227,13 @@ def test_moe_router_aux_loss_falls_back_with_one_warning(pruning, tokenizer, dat
                                 model=tiny_moe_model(tokenizer), **SHARED, **prune)
     messages = [str(w.message) for w in caught if "share_prompt" in str(w.message)]
     assert len(messages) == 1 and "router auxiliary loss" in messages[0]
-    assert trainer._share_backend is None and not trainer._packed
+    assert not trainer.forward_choice.share_prompt and not trainer.forward_choice.packed
     loss, _ = loss_and_grads(trainer, first_batch(trainer))
     assert torch.isfinite(loss)
     if pruning == "on":
-        assert trainer._uses_pruned_forward and trainer._grad_rows_aux_loss is not None
+        assert trainer.forward_choice.pruned and trainer.last_micro_step.aux_loss is not None
     else:
-        assert not trainer._uses_pruned_forward and "TRL's own forward" in messages[0]
+        assert not trainer.forward_choice.pruned and "TRL's own forward" in messages[0]
 
 
 def test_config_rejects_non_bool(tmp_path):
@@ -260,7 +260,8 @@ def test_one_sync_and_one_checkpointing_toggle_per_micro_step(share, tokenizer, 
             import sys
 
             caller = sys._getframe(1).f_code.co_filename
-            if caller.endswith(("trl_pruned_dpo/trainer.py", "trl_pruned_dpo/method/execute.py",
+            if caller.endswith(("trl_pruned_dpo/trainer.py", "trl_pruned_dpo/pruned_forward.py",
+                                "trl_pruned_dpo/forward_choice.py", "trl_pruned_dpo/method/execute.py",
                                 "trl_pruned_dpo/metrics.py", "trl_pruned_dpo/reference.py", "trl_pruned_dpo/seam.py")):
                 calls.append((_name, sys._getframe(1).f_lineno))
             return _original(self, *args, **kwargs)

@@ -22,15 +22,17 @@ def train(trainer):
 
 
 def recorded_masks(trainer):
+    """Every micro-step's masks, keyed by (global step, micro-step), from its record (`last_micro_step`)."""
     record = {}
-    original = trainer._draw_masks
+    original = trainer.concatenated_forward
 
-    def draw(inputs):
-        masks = original(inputs)
-        record[trainer._mask_step] = (masks.scored.clone(), masks.backprop.clone())
-        return masks
+    def forward(model, inputs):
+        outputs = original(model, inputs)
+        done = trainer.last_micro_step
+        record[done.step] = (done.masks.scored.clone(), done.masks.backprop.clone())
+        return outputs
 
-    trainer._draw_masks = draw
+    trainer.concatenated_forward = forward
     return record
 
 

@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 
+import trl_pruned_dpo.pruned_forward as pruned_forward_module
 import trl_pruned_dpo.trainer as trainer_module
 from tiny import SAVINGS_OFF, build_trainer, first_batch
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
@@ -128,5 +129,5 @@ def test_branch_gradient_is_unbiased(make, sampling):
 
 def test_negative_control_catches_a_missing_branch_scale(make, monkeypatch):
     trainer, batch = make(branch_keep_prob=0.5)
-    monkeypatch.setattr(trainer_module, "scale_branch_gradient", lambda values, scale: values)
+    monkeypatch.setattr(pruned_forward_module, "scale_branch_gradient", lambda values, scale: values)
     assert gradient_z(trainer, batch, GRADIENT_DRAWS) > 5.0  # the same check fails

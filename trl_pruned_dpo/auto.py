@@ -6,13 +6,20 @@ step's accumulated, reduced pre-clip norm (the engine's `clip_grad_norm_`), or, 
 process, two consecutive steps, B and 2B, less the mean gradient's drift between them, read from consecutive pairs
 (`.grad` before the clip, no hooks; one gradient-sized buffer, Eq. A4). Where nothing will be pruned, only the blocks
 around a (rare) probe are measured. method/noise.py estimates and chooses.
+
+A step's life: `options` (its first micro-step) decides from what earlier steps measured (`_decide`), then says what
+this step runs (`kind`); each micro-step adds its pairs and work (`options`, `add_work`) and, where the step is
+measured, its gradient's squared norm (`_on_grad`); the engine's clip reads the step's norm (and, on the B / 2B path,
+the pair's difference: `_read_pair`); `on_pre_optimizer_step` reduces the step's `StepMeasurement` over processes,
+to be folded into the running sums at the next decision (`_fold`).
 """
+
+import dataclasses
 import math
 
 import torch
 from transformers import TrainerCallback
 
-from .metrics import log_run_mean
 from .reference import host_batch
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
@@ -20,8 +27,30 @@ from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `aut
     extra_noise, head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
 )
 
-PROBE_EVERY, MIN_SAMPLES = 16, 2  # blocks between exact / half probes after the warm-up; samples before a decision
-RARELY = 4  # a family that no keep probability pays for even at the optimistic bounds is probed 4 times less often
+# Blocks between exact / half probes after the warm-up, and samples before a decision.
+PROBE_EVERY, MIN_SAMPLES = 16, 2
+# A family that no keep probability pays for even at the optimistic bounds is probed 4 times less often.
+RARELY = 4
+# The keep probabilities (branch, position) of each kind of step; "choice" runs the last decision's.
+KIND_PROBS = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}
+# A micro-step's work in the plan's token units: a token's forward counts 1, its backward 2.
+WORK_UNITS = (("policy", 1), ("grad", 2), ("reference", 1))
+
+
+@dataclasses.dataclass
+class StepMeasurement:
+    """What the running optimizer step has measured so far; a new one starts at each step's end."""
+
+    # The squared norm of the small batch's gradient: summed over the micro-batches' local gradients (engine path),
+    # or the step's own pre-clip norm squared (B / 2B path).
+    small_norm2: torch.Tensor | float | None = 0.0
+    # B / 2B: |g_(t-1) - g_t|² on a pair's second step, or the link |g_(t-2) - g_t|² on a first step (Eq. A4).
+    pair_diff2: torch.Tensor | float = 0.0
+    # The pairs drawn and the work done (WORK_UNITS) by its micro-steps.
+    pairs: int = 0
+    work: float = 0.0
+    # The pre-clip gradient norm, reduced and accumulated, as the engine's `clip_grad_norm_` returned it.
+    clip: torch.Tensor | None = None
 
 
 class AutoKeepProbs(TrainerCallback):
@@ -29,53 +58,71 @@ class AutoKeepProbs(TrainerCallback):
 
     def __init__(self, args, model_config, trainer):
         self.trainer, self.args, self.head = trainer, args, head_share(model_config)
-        self.families = [f for f, on in (("branch", args.branch_keep_prob == "auto"),
-                                         ("position", args.position_keep_prob == "auto" and self.head >= 2 * MIN_GAIN))
-                         if on]  # a family that cannot save MIN_GAIN is neither probed nor chosen
-        self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
-        self.single = args.gradient_accumulation_steps * max(args.world_size, 1) == 1  # the B / 2B path
-        self.floor = None if "robust" in args.loss_type else 0.0  # the other losses are >= 0 (A3)
-        self._hooks, self._hooked, self._buffer, self._parts, self._clip = [], set(), None, None, None
-        self.prunes_branches = True  # whether this step's draw can drop a branch (set in `options`)
+        # A family that cannot save MIN_GAIN is neither probed nor chosen.
+        wanted = {"branch": args.branch_keep_prob == "auto",
+                  "position": args.position_keep_prob == "auto" and self.head >= 2 * MIN_GAIN}
+        self.families = [family for family, on in wanted.items() if on]
+        processes = max(args.world_size, 1)
+        self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
+        # One micro-batch per step on one process: the B / 2B path.
+        self.single = args.gradient_accumulation_steps * processes == 1
+        # The losses but `robust` are >= 0 (A3).
+        self.floor = None if "robust" in args.loss_type else 0.0
+        # Gradient hooks (engine path) and the B / 2B path's parameters and gradient buffer, set at train begin.
+        self._hooks, self._hooked, self._params = [], set(), []
+        self._buffer = self._parts = self._original_clip = None
+        # Whether this step's draw can drop a branch (set in `options`).
+        self.prunes_branches = True
         self.load_state_dict(None)
 
-    def state_dict(self) -> dict:  # the checkpoint's: a resume then draws the masks of no resume (the B / 2B buffer
-        self._fold()  # is not saved: the pair a checkpoint splits yields no sample, resumed or not; PairedSteps.split)
+    def state_dict(self) -> dict:
+        """The checkpoint's state: a resume then draws the masks of no resume. The B / 2B buffer is not saved: the
+        pair a checkpoint splits yields no sample, resumed or not (PairedSteps.split)."""
+        self._fold()
         self._paired = self._paired.split()
         return {"sums": self.stats.sums, "choice": list(self.choice), "history": self.history, "futile": self.futile,
                 "loss_curve": self.curve.state_dict(), "probes": self.probes.state_dict(),
                 "drift": self._paired.carried}
 
     def load_state_dict(self, state):
-        state, self._pending = state or {}, None
+        state = state or {}
+        # The last step's reduced totals, folded into the running sums at the next decision (`_fold`).
+        self._pending = None
         self._paired = PairedSteps(state.get("drift"))
-        self._small, self._diff, self._pairs, self._work, self._measured, self._held = 0, 0, 0, 0, False, None
-        # _measured: this step is (B / 2B: through the buffer; set in `options`); _held: the even step it holds
-        if "probes" not in state:  # an earlier estimator's statistics: measured anew
+        self.step = StepMeasurement()
+        # Whether this step is measured (B / 2B: its gradient goes through the buffer), and the even step whose
+        # gradient the buffer holds.
+        self.measuring, self.held_step = False, None
+        # An earlier estimator's statistics: measured anew.
+        if "probes" not in state:
             state = {key: value for key, value in state.items() if key != "sums"}
         self.stats, self.history = Running(state.get("sums")), list(state.get("history", []))
         self.choice = tuple(state.get("choice", (1.0, 1.0, 1.0, "before the first decision: keep everything")))
-        self.futile = list(state.get("futile", []))  # families probed RARELY (saved: the kinds of steps follow it)
+        # Families probed RARELY (saved: the kinds of steps follow it).
+        self.futile = list(state.get("futile", []))
         self.curve, self.probes = LossCurve(state.get("loss_curve")), ProbeLevels(state.get("probes"))
 
+    # ---------------------------------------------------------------------------------------------- the schedule
     def kind(self, step: int) -> str:
         """"exact", a family's probe or "choice", from the step and the (rank-identical, saved) state: the warm-up E F1
         E F1 E F2 E F2 E (B / 2B: E first, its first pair has no link, A4) resolves the families after 5 and 9 blocks
         (6, 10); then every PROBE_EVERY blocks from block 16 on, a probe between two exact blocks (its units). Where
         nothing will be pruned (every family idle or probed RARELY) only the blocks around a probe are measured (B /
         2B: one more before them, the link); the others run the choice, keeping everything, unmeasured."""
-        block, fams, idle = step // (2 if self.single else 1), self.families, branch_idle(self.stats)
-        warm_up = ["exact"] * (1 + self.single) + [k for f in fams for k in (f, "exact", f, "exact")] if fams else []
+        block, families, idle = step // (2 if self.single else 1), self.families, branch_idle(self.stats)
+        warm_up = []
+        if families:
+            warm_up = ["exact"] * (1 + self.single) + [k for f in families for k in (f, "exact", f, "exact")]
         if block < len(warm_up):
             return "exact" if warm_up[block] in idle else warm_up[block]
         cycle, turn = block % PROBE_EVERY, block // PROBE_EVERY
         probe = self._probed(turn, idle)
         if probe and cycle == 1:
             return probe
-        if fams and set(fams) <= {*self.futile, *idle}:
+        if families and set(families) <= {*self.futile, *idle}:
             link = self.single and cycle == PROBE_EVERY - 1 and self._probed(turn + 1, idle)
             return "exact" if probe and cycle in (0, 2) or link else "choice"
-        return "exact" if fams and (cycle in (0, 2) or self.choice[:2] == (1.0, 1.0)) else "choice"
+        return "exact" if families and (cycle in (0, 2) or self.choice[:2] == (1.0, 1.0)) else "choice"
 
     def _probed(self, turn: int, idle: set) -> str | None:
         """The family probed in a turn of PROBE_EVERY blocks (they take turns): one probed RARELY every RARELY-th turn
@@ -84,122 +131,157 @@ class AutoKeepProbs(TrainerCallback):
         rare = probe in self.futile and turn % (RARELY * len(self.families)) >= len(self.families)
         return None if probe in idle or rare else probe
 
-    def options(self, trainer, inputs, base_options: dict, step: int, micro_step: int) -> dict:
+    def options(self, inputs, base_options: dict, step: int, micro_step: int) -> dict:
         """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
         at micro-step 0 it first decides from what earlier steps measured."""
         if micro_step == 0:
             self._decide(step)
         kind = self.kind(step)
-        self._measured = kind != "choice"  # (B / 2B: this step's gradient goes through the buffer)
-        branch, position = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}.get(kind, self.choice[:2])
-        pairs, options = inputs["input_ids"].size(0) // 2, dict(base_options)
-        self._pairs, self.prunes_branches = self._pairs + pairs, float(branch) < 1  # rank-identical (trainer: the plan
-        if self.args.branch_keep_prob == "auto":  # runs no frozen group at 1); per pair below 1: near-copies keep both
-            host = host_batch(inputs)  # (its host copy: no device read)
+        self.measuring = kind != "choice"
+        branch, position = KIND_PROBS.get(kind, self.choice[:2])
+        options = dict(base_options)
+        self.step.pairs += inputs["input_ids"].size(0) // 2
+        # Rank-identical: the trainer's plan runs no frozen group where every branch is kept.
+        self.prunes_branches = float(branch) < 1
+        if self.args.branch_keep_prob == "auto":
+            # Per pair below 1: near-copies keep both (read from the batch's host copy: no device read).
+            host = host_batch(inputs)
             overlap = pair_overlap(host.input_ids, host.completion_mask, host.attention_mask) if branch < 1 else None
             options["branch_keep_prob"] = 1.0 if overlap is None else per_pair_branch_probs(overlap, float(branch))
         if self.args.position_keep_prob == "auto":
             options["position_keep_prob"] = float(position)
-        kept = options["branch_keep_prob"]  # the run's values, reduced over ranks at the logging step (metrics.py)
-        log_run_mean(trainer, "prune/branch_keep_prob", float(kept.sum() if torch.is_tensor(kept) else kept * pairs),
-                     pairs)
-        log_run_mean(trainer, "prune/position_keep_prob", float(options["position_keep_prob"]))
-        log_run_mean(trainer, "prune/auto_b_simple", min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
         return options
 
+    def run_means(self, options: dict, pairs: int) -> list[tuple[str, float, float]]:
+        """(name, total, count) of what this draw used: the run's means, reduced over ranks at the logging step
+        (metrics.py)."""
+        kept = options["branch_keep_prob"]
+        kept_total = float(kept.sum() if torch.is_tensor(kept) else kept * pairs)
+        b_simple = float(min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
+        return [("prune/branch_keep_prob", kept_total, float(pairs)),
+                ("prune/position_keep_prob", float(options["position_keep_prob"]), 1.0),
+                ("prune/auto_b_simple", b_simple, 1.0)]
+
+    # ------------------------------------------------------------------------------------------- the measurement
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model
         params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh")]
-        if self.single:  # B / 2B: the step's gradient is the micro-batch's: `.grad`, read once, before clipping
+        if self.single:
+            # B / 2B: the step's gradient is the micro-batch's: `.grad`, read once, before clipping.
             self._params = params
-        else:  # the engine path: each micro-batch's local gradient, before accumulation and reduction
+        else:
+            # The engine path: each micro-batch's local gradient, before accumulation and reduction.
             self._hook(params)
-        if not self.single and any(hasattr(m, "_get_fsdp_state") for m in model.modules()):  # FSDP2: hook its
-            self._hooks.append(model.register_forward_hook(lambda *_: self._hook(  # unsharded parameters, which exist
-                fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")  # from the first forward
-                for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", [])
-                if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad)))
-        accelerator, clip = self.trainer.accelerator, self.trainer.accelerator.clip_grad_norm_
+            if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):
+                self._hooks.append(model.register_forward_hook(self._hook_unsharded))
+        accelerator = self.trainer.accelerator
+        # A `train()` that raised did not restore the engine's own: it is wrapped once.
+        if getattr(accelerator.clip_grad_norm_, "__self__", None) is not self:
+            self._original_clip = accelerator.clip_grad_norm_
+        accelerator.clip_grad_norm_ = self._measured_clip
 
-        def measured_clip(*a, **k):  # once a step (at max_norm inf without clipping): B / 2B reads the gradient first
-            if self.single and self._measured:
-                self._read_pair(self.trainer.state.global_step)
-            self._clip = clip(*a, **k)  # pre-clip, reduced, accumulated
-            return self._clip
+    def _hook_unsharded(self, model, *_):
+        """FSDP2: hook its unsharded parameters, which exist from the first forward on."""
+        self._hook(fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                   for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", [])
+                   if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad)
 
-        accelerator.clip_grad_norm_ = measured_clip
-        self._restore = lambda: setattr(accelerator, "clip_grad_norm_", clip)
+    def _measured_clip(self, *args, **kwargs):
+        """The engine's `clip_grad_norm_`, called once a step (at max_norm inf without clipping): on the B / 2B path
+        the pair's difference is read from `.grad` first; the pre-clip, reduced, accumulated norm is kept."""
+        if self.single and self.measuring:
+            self._read_pair(self.trainer.state.global_step)
+        self.step.clip = self._original_clip(*args, **kwargs)
+        return self.step.clip
 
     def _hook(self, params):
-        for p in (p for p in params if id(p) not in self._hooked):
-            self._hooked.add(id(p))
-            self._hooks.append(p.register_hook(self._on_grad))
+        for p in params:
+            if id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._hooks.append(p.register_hook(self._on_grad))
 
     def _on_grad(self, grad):
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
-        if self._measured:
-            self._small = self._small + torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+        if self.measuring:
+            self.step.small_norm2 = self.step.small_norm2 + torch.linalg.vector_norm(
+                grad.detach(), dtype=torch.float32).square()
 
     def _read_pair(self, step: int):
         """B / 2B, before clipping, fused over the parameters: |g_(t-1) - g_t|² on a pair's second step, the
         link |g_(t-2) - g_t|² on a first step (Eq. A4), from the one buffer; a first step's gradient kept in it."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]  # (unused: 0)
+        # A parameter without a gradient (unused this step) counts as 0.
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         if self._buffer is None:
             self._buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
             self._parts = [x.view(g.shape) for x, g in zip(self._buffer.split([g.numel() for g in grads]), grads)]
-        if self._held in (step - 1, step - 2):
+        if self.held_step in (step - 1, step - 2):
             torch._foreach_sub_(self._parts, grads)
-            self._diff = torch.stack(torch._foreach_norm(self._parts, dtype=torch.float32)).square().sum()
-            if step % 2:  # the pair's first gradient back: the next pair's first step links to it
+            self.step.pair_diff2 = torch.stack(torch._foreach_norm(self._parts, dtype=torch.float32)).square().sum()
+            # On a pair's second step, its first gradient goes back: the next pair's first step links to it.
+            if step % 2:
                 torch._foreach_add_(self._parts, grads)
         if step % 2 == 0:
             torch._foreach_copy_(self._parts, grads)
 
-    def on_substep_end(self, args, state, control, **kwargs):
-        stats = self.trainer.last_prune_stats  # a step's work, in the plan's token units: forward 1, backward 2
-        self._work += sum(w * stats.get(f"{k}_tokens_executed", 0) for k, w in (("policy", 1), ("grad", 2),
-                                                                                   ("reference", 1)))
+    def add_work(self, counts: dict) -> None:
+        """A micro-step's work, from its record's counts (metrics.MicroStepRecord), in WORK_UNITS."""
+        self.step.work += sum(weight * counts.get(f"{kind}_tokens_executed", 0) for kind, weight in WORK_UNITS)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """One all-reduce of five scalars on every rank, every step (no sync here); read at the next decision."""
-        self.on_substep_end(args, state, control)
-        if self.single:  # one micro-batch, one process: the pre-clip norm is its own gradient's
-            self._small = self._clip ** 2 if self._clip is not None else None
-        trainer, device = self.trainer, self.trainer.accelerator.device
-        accumulation = trainer.current_gradient_accumulation_steps  # the loss was divided by it
-        local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=device)
-                             for x in (self._small, self._pairs, self._work, self._diff, trainer._step_loss)])
+        measured, trainer = self.step, self.trainer
+        # One micro-batch, one process: the pre-clip norm is its own gradient's.
+        if self.single:
+            measured.small_norm2 = measured.clip ** 2 if measured.clip is not None else None
+        # The loss was divided by the accumulation steps.
+        accumulation = trainer.current_gradient_accumulation_steps
+        values = (measured.small_norm2, measured.pairs, measured.work, measured.pair_diff2,
+                  trainer.run_state.step_loss)
+        local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64,
+                                             device=trainer.accelerator.device) for x in values])
         local[0] *= accumulation ** 2
-        clip = self._clip.full_tensor() if hasattr(self._clip, "full_tensor") else self._clip
+        clip = measured.clip.full_tensor() if hasattr(measured.clip, "full_tensor") else measured.clip
         self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
                          accumulation * trainer.accelerator.num_processes, clip)
-        self._held = state.global_step if self._measured and state.global_step % 2 == 0 else self._held
-        self._small, self._diff, self._clip, self._pairs, self._work = 0, 0, None, 0, 0
+        if self.measuring and state.global_step % 2 == 0:
+            self.held_step = state.global_step
+        self.step = StepMeasurement()
 
     def on_train_end(self, args, state, control, **kwargs):
-        [handle.remove() for handle in self._hooks]
-        self._hooks, self._hooked, self._buffer, self._parts = self._restore() or [], set(), None, None
+        for handle in self._hooks:
+            handle.remove()
+        self.trainer.accelerator.clip_grad_norm_ = self._original_clip
+        self._hooks, self._hooked, self._buffer, self._parts = [], set(), None, None
 
+    # ------------------------------------------------------------------------------------------ the estimate
     def _fold(self):
         """The last step's norms into the running sums: per-step estimates of tr Σ (per kind) and |G|² (exact)."""
         if self._pending is None:
             return
         (step, totals, micro, clip), self._pending = self._pending, None
-        (small2, pairs, work, diff, loss), kind, sizes, drift = totals.tolist(), self.kind(step), None, 0.0
-        self.curve.add(step, loss / (micro or 1))  # every kind of step: the loss's value is exact or unbiased
+        small2, pairs, work, diff, loss = totals.tolist()
+        kind = self.kind(step)
+        # Every kind of step: the loss's value is exact or unbiased.
+        self.curve.add(step, loss / (micro or 1))
         if kind == "choice":
             return
         self.stats.add(f"work_{kind}", work / max(pairs, 1))
+        sizes, drift = None, 0.0
         if not self.single and clip is not None:
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
-        elif self.single:  # B and 2B pairs, and the drift between their two steps (None: not measured)
+        elif self.single:
+            # B and 2B pairs, and the drift between their two steps (None: not measured).
             sizes, drift = self._paired.add(step, kind, small2, diff, pairs)
-        if sizes is None or drift is None:  # B / 2B: a pair's first step, or a pair without its link
+        # B / 2B: a pair's first step, or a pair without its link.
+        if sizes is None or drift is None:
             return
-        raw, raw_norm2 = trace_and_norm2(*sizes)  # B / 2B: b |g1 - g2|² / 2 = tr Σ + drift (A4)
-        self.probes.add(self.stats, kind, log_trace(raw, drift))  # r from probes between exact blocks
-        if kind == "exact":  # tr Σ, |G|², their product (B_simple: a ratio estimator), each in units of the step's
-            trace, norm2 = (raw - drift) / (sizes[0] or 1.0), raw_norm2 / (sizes[0] or 1.0)  # |G_small|²
+        # B / 2B: b |g1 - g2|² / 2 = tr Σ + drift (A4).
+        raw, raw_norm2 = trace_and_norm2(*sizes)
+        # r from probes between exact blocks.
+        self.probes.add(self.stats, kind, log_trace(raw, drift))
+        if kind == "exact":
+            # tr Σ, |G|² and their product (B_simple: a ratio estimator), each in units of the step's |G_small|².
+            trace, norm2 = (raw - drift) / (sizes[0] or 1.0), raw_norm2 / (sizes[0] or 1.0)
             for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
                 self.stats.add(f"{name}_exact", value)
 
@@ -207,31 +289,41 @@ class AutoKeepProbs(TrainerCallback):
         """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family
         that even the opposite (optimistic) bounds keep at p = 1 is probed RARELY until they no longer do."""
         self._fold()
-        s, idle = self.stats, branch_idle(self.stats)  # an idle family is decided: p = 1
+        # An idle family is decided: p = 1.
+        s, idle = self.stats, branch_idle(self.stats)
         ready = [f for f in self.families if f in idle or s.count(f"ratio_{f}") >= MIN_SAMPLES - 0.1]
         half = min(s.mean("work_branch") / s.mean("work_exact"), 1.0) if "work_branch" in s.sums else 1.0
-        if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:  # decayed counts: 2 samples count 1.9995
+        # Decayed counts: 2 samples count 1.9995.
+        if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:
             return
         (b_up, r), (b_low, r_low) = self._bounds(UPPER_Z, ready), self._bounds(-UPPER_Z, ready)
         room = [self.curve.room(step, self.trainer.state.max_steps, self.floor, z) for z in (UPPER_Z, -UPPER_Z)]
-        pick = lambda b, r, room: choose(b, r.get("branch", 0.0), r.get("position", 0.0), self.batch,  # noqa: E731
-                                         self.head, "branch" in ready and not idle, "position" in ready, half, room)
+        prune_branch, prune_position = "branch" in ready and not idle, "position" in ready
+
+        def pick(b_simple, ratios, loss_room):
+            return choose(b_simple, ratios.get("branch", 0.0), ratios.get("position", 0.0), self.batch, self.head,
+                          prune_branch, prune_position, half, loss_room)
+
         choice, hope = pick(b_up, r, room[0]), pick(b_low, r_low, room[1])
         futile = sorted(f for f in ready if f not in idle and hope[("branch", "position").index(f)] == 1.0)
-        if idle:  # (the reason's r of an idle family is not measured)
+        # The reason's r of an idle family is not measured: say why it is idle instead.
+        if idle:
             choice = (*choice[:3], choice[3] + f"; branch idle: a draw at 1/2 saves < {MIN_GAIN:.0%} of the work here")
-        if (choice[:2], ready) != (self.choice[:2], (self.history or [{}])[-1].get("decided")) or step % 10 == 0:
-            self.history.append({"step": step, "decided": ready, "b_simple": s.ratio("trace_exact", "norm2_exact",
-                                 "cross_exact"), "b_simple_upper": b_up, "b_simple_lower": b_low, "r_branch":
-                                 r.get("branch"), "r_position": r.get("position"), "branch_half_cost": half,
-                                 "branch_keep_prob": choice[0], "position_keep_prob": choice[1], "probed_rarely":
-                                 futile, "loss_room": room[0], "reason": choice[3]})
+        last_decided = (self.history or [{}])[-1].get("decided")
+        if (choice[:2], ready) != (self.choice[:2], last_decided) or step % 10 == 0:
+            self.history.append({
+                "step": step, "decided": ready, "b_simple": s.ratio("trace_exact", "norm2_exact", "cross_exact"),
+                "b_simple_upper": b_up, "b_simple_lower": b_low, "r_branch": r.get("branch"),
+                "r_position": r.get("position"), "branch_half_cost": half, "branch_keep_prob": choice[0],
+                "position_keep_prob": choice[1], "probed_rarely": futile, "loss_room": room[0], "reason": choice[3],
+            })
         self.choice, self.futile = choice, futile
 
     def _bounds(self, z: float, ready) -> tuple[float, dict]:
         """B_simple and each family's r at their 90% bounds on the pruning-averse side (z < 0: the optimistic side);
         log(r + 1) from probes between exact blocks, its standard error at least the exact blocks' (ProbeLevels)."""
-        spread = 1.5 * self.stats.mean("jitter") if "jitter" in self.stats.sums else 0.0  # one probe's variance
+        # One probe's variance.
+        spread = 1.5 * self.stats.mean("jitter") if "jitter" in self.stats.sums else 0.0
         r = {f: max(math.exp(self.stats.mean(f"ratio_{f}", z, spread)) - 1, 0.0) for f in ready
              if f"ratio_{f}" in self.stats.sums}
         return self.stats.ratio("trace_exact", "norm2_exact", "cross_exact", z), r

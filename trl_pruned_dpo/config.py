@@ -223,6 +223,12 @@ class PrunedDPOConfig(DPOConfig):
         """Whether the trainer chooses a keep probability itself (`"auto"`)."""
         return AUTO in (self.position_keep_prob, self.branch_keep_prob)
 
+    def mask_options(self) -> dict:
+        """The sampling fields as `method.masks.draw_masks` takes them (an "auto" one is chosen each step: auto.py)."""
+        return dict(position_keep_prob=self.position_keep_prob, prefix_prune_prob=self.prefix_prune_prob,
+                    prefix_min_ratio=self.prefix_min_ratio, branch_keep_prob=self.branch_keep_prob,
+                    branch_sampling=self.branch_sampling, drop_common_prefix=self.prune_common_prefix)
+
     def __post_init__(self):
         self._default_bf16_to_hardware()
         with checkpointing_names_quiet():  # DPOConfig's own default sets the deprecated name (notices.py)

@@ -6,15 +6,20 @@ rewards, margins) and the per-token means (entropy, logits, token accuracy) are 
 loss keeps its stock name, `aux_loss`: it is the aux loss this run adds to its loss (the grad rows' own), as `loss` is
 the loss at the estimate.
 
-No device->host read per micro-step: each micro-step's counts stay on the device, and the metric lists hold a
-`Pending` entry for each value derived from them. `flush` resolves every pending entry with one gather and one read,
-when TRL logs (`PrunedDPOTrainer.log`) or a checkpoint saves the logging window: the plugin's metrics ride on the
-logging step. Outside `train()` (a direct `compute_loss` call) they are resolved at once.
+A micro-step's record (`MicroStepRecord`: its masks, counts, auxiliary loss and run means) is handed in by the trainer;
+nothing here reads the trainer. No device->host read per micro-step: each micro-step's counts stay on the device, and
+TRL's metric lists hold a `Pending` entry for each value derived from them. `PendingMetrics` owns those counts: its
+`flush` resolves every pending entry with one gather and one read, when TRL logs (`PrunedDPOTrainer.log`) or a
+checkpoint saves the logging window, so the plugin's metrics ride on the logging step. Outside `train()` (a direct
+`compute_loss` call) they are resolved at once.
 """
+
+import dataclasses
 
 import torch
 
 from .config import AUTO
+from .method.masks import PruneMasks
 
 _COUNTS = ("positions_scored", "response_positions", "policy_tokens_executed", "grad_tokens_executed", "full_tokens",
            "grad_rows", "rows")
@@ -43,43 +48,92 @@ def _ratio_or_zero(num: int, den: int):
     return lambda t: t[num] / t[den] if t[den] > 0 else 0.0
 
 
-def log_run_mean(trainer, name: str, total: float, count: float = 1.0) -> None:
-    """Log `name` as the run's mean, total / count summed over every process (a host value of this micro-step: a
-    per-rank mean is `mean * count`). It rides in the micro-step's counts vector (`log_pruned_metrics`), gathered
-    with them at the logging step: the way TRL reduces its own metrics (gather, then mean), with no sync of its own."""
-    trainer.__dict__.setdefault("_run_means", []).append((name, float(total), float(count)))
+@dataclasses.dataclass
+class MicroStepRecord:
+    """What one training micro-step did, handed to `log_pruned_metrics` and to auto.py (`trainer.last_micro_step`)."""
+
+    # (global step, micro-step) of the draw, and the draw's sampling options (`masks.draw_masks`'s keywords)
+    step: tuple[int, int]
+    options: dict
+    # The masks on the device, and the raw counts of the work done (tokens executed, positions scored, rows ...)
+    masks: PruneMasks
+    counts: dict[str, int]
+    # The MoE router loss of the backpropagated rows (None without one)
+    aux_loss: torch.Tensor | None = None
+    # (name, total, count) of the run's means this micro-step adds to (auto's choices)
+    run_means: list = dataclasses.field(default_factory=list)
+    # Whether prompts ran once per pair (the cost model's split of pairs is then logged)
+    share_prompt: bool = False
 
 
-def log_pruned_metrics(trainer, per_token: dict) -> int:
-    """Record this micro-step's counts on the device and append the `prune/` fractions (and TRL's token accuracy
-    re-estimated from the scored positions) as pending entries. Returns the counts' row for `relabel_stock_metrics`."""
-    masks, stats, args = trainer._last_masks, trainer.last_prune_stats, trainer.args
+class PendingMetrics:
+    """The device counts of the micro-steps since the last flush, which TRL's metric lists point into (`Pending`).
+
+    `deferred`: inside `train()`, values are read at the logging step; outside it, at once. `accelerator` gathers
+    the counts (every process flushes together)."""
+
+    def __init__(self, accelerator):
+        self.accelerator, self.counts, self.deferred = accelerator, [], False
+
+    def add(self, counts: torch.Tensor) -> int:
+        """Keep a micro-step's counts; returns their row for the `Pending` entries."""
+        self.counts.append(counts)
+        return len(self.counts) - 1
+
+    def flush(self, trl_metrics: dict) -> None:
+        """Resolve every pending value of `trl_metrics` (TRL's train metrics): one gather of the stacked counts (the
+        same number on every process), one device->host read. A collective: every process calls it together."""
+        if not self.counts:
+            return
+        width = max(c.numel() for c in self.counts)
+        stacked = torch.stack([torch.nn.functional.pad(c, (0, width - c.numel())) for c in self.counts])
+        totals = self.accelerator.gather(stacked.unsqueeze(0)).sum(dim=0).tolist()
+        self.counts.clear()
+        for values in trl_metrics.values():
+            for i, value in enumerate(values):
+                if isinstance(value, Pending):
+                    values[i] = value.formula(totals[value.row])
+
+    def discard(self, trl_metrics: dict) -> None:
+        """Forget unresolved values (a `train()` that raised left them): each new `train()` starts clean."""
+        self.counts.clear()
+        for values in trl_metrics.values():
+            values[:] = [v for v in values if not isinstance(v, Pending)]
+
+
+def log_pruned_metrics(record: MicroStepRecord, per_token: dict, args, trl_metrics: dict,
+                       pending: PendingMetrics) -> None:
+    """Record this micro-step's counts on the device, append the `prune/` fractions (and TRL's token accuracy
+    re-estimated from the scored positions) to `trl_metrics` as pending entries, move the stock-named metrics that do
+    not estimate stock's value (`relabel_stock_metrics`), and resolve them unless `pending` defers them."""
+    masks, stats = record.masks, record.counts
     chosen_weights = masks.weights.chunk(2)[0]
     chosen_top1 = per_token["is_top1"].chunk(2)[0].float()
-    device = trainer.accelerator.device
-    if trainer._share_backend is not None:  # which execution the cost model picked (docs/method.md); host counts
+    device = masks.weights.device
+    means = list(record.run_means)
+    # Which execution the cost model picked (docs/method.md): host counts.
+    if record.share_prompt:
         shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
-        log_run_mean(trainer, "prune/pairs_shared", shared, shared + split)
-    means = trainer.__dict__.pop("_run_means", [])  # host values of the run's means (auto's choice), summed below
+        means.append(("prune/pairs_shared", float(shared), float(shared + split)))
     host = torch.tensor([stats[name] for name in _COUNTS] + [0.0, stats["chosen_response_positions"]]
                         + [x for _, total, count in means for x in (total, count)], dtype=torch.float64)
     top1 = (chosen_top1 * chosen_weights).sum().double().reshape(1)
     counts = host.to(device, non_blocking=True)
     counts = torch.cat([counts[:TOP1], top1.to(device), counts[CHOSEN:CHOSEN + 1]]), counts[CHOSEN + 1:]
-    if args.prune_common_prefix:  # the sums `relabel_stock_metrics` needs ride along
+    # The sums `relabel_stock_metrics` needs ride along.
+    if args.prune_common_prefix:
         exact_w, exact_l = masks.exact.chunk(2)
         mean_logits_w, mean_logits_l = per_token["mean_logits"].chunk(2)
         counts = torch.cat([counts[0], torch.stack([
             per_token["entropy"].sum(), masks.exact.sum(),
             mean_logits_w.sum(), exact_w.sum(), mean_logits_l.sum(), exact_l.sum(),
         ]).double().to(device)]), counts[1]
-    first = counts[0].numel()  # the run's means after the counts (the same layout on every process)
-    counts = torch.cat(counts)
-    pending = trainer.__dict__.setdefault("_pending_counts", [])
-    pending.append(counts)
-    row = len(pending) - 1
-    metrics = trainer._metrics["train"]
-    if metrics["mean_token_accuracy"]:  # TRL counted only scored positions as correct; use the HT estimate
+    # The run's means come after the counts (the same layout on every process).
+    first = counts[0].numel()
+    row = pending.add(torch.cat(counts))
+    metrics = trl_metrics
+    # TRL counted only scored positions as correct; use the HT estimate.
+    if metrics["mean_token_accuracy"]:
         metrics["mean_token_accuracy"][-1] = Pending(row, _ratio_or_zero(TOP1, CHOSEN))
     metrics["prune/positions_scored"].append(Pending(row, _ratio(SCORED, RESPONSE)))
     metrics["prune/tokens_executed"].append(Pending(row, _ratio(EXECUTED, FULL)))
@@ -87,24 +141,25 @@ def log_pruned_metrics(trainer, per_token: dict) -> int:
     metrics["prune/branches_backpropagated"].append(Pending(row, _ratio(GRAD_ROWS, ROWS)))
     for i, (name, _, _) in enumerate(means):
         metrics[name].append(Pending(row, _ratio_or_zero(first + 2 * i, first + 2 * i + 1)))
-    return row
+    relabel_stock_metrics(metrics, args, row)
+    if not pending.deferred:
+        pending.flush(metrics)
 
 
-def relabel_stock_metrics(trainer, row: int) -> None:
-    """Move this step's stock-named metrics that do not estimate what stock logs to names that say what they are, then
-    resolve the pending values unless `train()` defers them to the logging step.
+def relabel_stock_metrics(metrics: dict, args, row: int) -> None:
+    """Move this step's stock-named metrics that do not estimate what stock logs to names that say what they are.
 
     Moved, because no unbiased value exists (docs/parity.md):
     - `rewards/accuracies` under random position/prefix pruning: a step function of the noisy margin;
     - under `prune_common_prefix`, every per-branch and per-token metric: the common prefix is never scored, so they
       cover the response after it (token means re-estimated over those positions).
     """
-    metrics, args = trainer._metrics["train"], trainer.args
 
     def move(name, value=None, new=None):
         old = metrics[name].pop()
+        # TRL's `log` averages every key: no empty list may stay behind.
         if not metrics[name]:
-            del metrics[name]  # TRL's `log` averages every key: no empty list may stay behind
+            del metrics[name]
         metrics[new or f"prune/{name}"].append(old if value is None else value)
 
     if args.position_keep_prob == AUTO or args.position_keep_prob < 1 or args.prefix_prune_prob > 0:
@@ -117,28 +172,3 @@ def relabel_stock_metrics(trainer, row: int) -> None:
         move("mean_token_accuracy", Pending(row, _ratio_or_zero(TOP1, COUNT_W)), "prune/mean_token_accuracy" + suffix)
         for name in ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
             move(name, new=f"prune/{name}{suffix}")
-    if not getattr(trainer, "_defer_metrics", False):
-        flush(trainer)
-
-
-def flush(trainer) -> None:
-    """Resolve every pending metric value: one gather of the stacked counts of the micro-steps since the last flush
-    (the same number on every process), one device->host read. A collective: every process calls it together."""
-    pending = trainer.__dict__.get("_pending_counts")
-    if not pending:
-        return
-    width = max(c.numel() for c in pending)
-    stacked = torch.stack([torch.nn.functional.pad(c, (0, width - c.numel())) for c in pending])
-    totals = trainer.accelerator.gather(stacked.unsqueeze(0)).sum(dim=0).tolist()
-    pending.clear()
-    for values in trainer._metrics["train"].values():
-        for i, value in enumerate(values):
-            if isinstance(value, Pending):
-                values[i] = value.formula(totals[value.row])
-
-
-def discard_pending(trainer) -> None:
-    """Forget unresolved values (a `train()` that raised left them): each new `train()` starts clean."""
-    trainer.__dict__["_pending_counts"], trainer.__dict__["_run_means"] = [], []
-    for values in trainer._metrics["train"].values():
-        values[:] = [v for v in values if not isinstance(v, Pending)]

@@ -16,6 +16,7 @@ from datasets.table import InMemoryTable
 from torch.utils.data import DataLoader
 
 from .method.plan import HostBatch
+from .seam import deepspeed_reference_engine
 
 # Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
 REF_TOKEN_COLUMNS = ("ref_chosen_token_logps", "ref_rejected_token_logps")
@@ -45,21 +46,6 @@ def host_batch(inputs: dict) -> HostBatch:
         host = inputs[HOST_KEY] = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask",
                                                                           "completion_mask")))
     return host
-
-
-def select_pairs(inputs: dict, pair_index: torch.Tensor, pairs: int) -> dict:
-    """The stacked batch restricted to `pair_index` (both rows of each pair)."""
-    rows = torch.cat([pair_index, pair_index + pairs])
-    out = {}
-    for key, value in inputs.items():
-        if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == 2 * pairs:
-            value = value[rows.to(value.device)]
-        elif torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == pairs:
-            value = value[pair_index.to(value.device)]
-        elif isinstance(value, HostBatch):  # the plan's host copy must describe the same rows
-            value = HostBatch(value.input_ids[rows], value.attention_mask[rows], value.completion_mask[rows])
-        out[key] = value
-    return out
 
 
 @dataclass
@@ -98,21 +84,19 @@ def pruned_collator(collator, args, train_dataset):
     return collator
 
 
-def precompute_per_token(trainer, dataset: Dataset, batch_size: int) -> Dataset:
+def precompute_per_token(trainer, dataset: Dataset, batch_size: int, reference_log_probs, reference_sums) -> Dataset:
     """`dataset` with the reference sums and the per-token reference log-probs as columns.
 
     Like TRL's precompute: under `accelerator.autocast()`, each process computes its shard of the batches, gathered in
     dataset order. The per-token values travel as one flat float32 buffer with row offsets (an Arrow list column),
     never as a Python list per row. Kept in memory: no cache file (TRL caches only the sums). `trainer` supplies the
-    accelerator, the collator and the reference forward (`_reference_log_probs`, `_reference_sums`).
+    accelerator and the collator; `reference_log_probs(model, batch, scored)` and `reference_sums(batch, per_token)`
+    the reference forward (the trainer's, in its layout).
     """
     accelerator, args = trainer.accelerator, trainer.args
-    if trainer.ref_model is None and trainer.is_deepspeed_enabled:  # as TRL: the policy, prepared once for DeepSpeed
-        if trainer._precompute_engine is None:
-            from trl.models import prepare_deepspeed
-
-            trainer._precompute_engine = prepare_deepspeed(trainer.model, accelerator)
-        model = trainer._precompute_engine
+    # As TRL: the policy, prepared once for DeepSpeed.
+    if trainer.ref_model is None and trainer.is_deepspeed_enabled:
+        model = deepspeed_reference_engine(trainer)
     else:
         model = trainer.ref_model or trainer.model
     loader = accelerator.prepare(DataLoader(
@@ -124,8 +108,8 @@ def precompute_per_token(trainer, dataset: Dataset, batch_size: int) -> Dataset:
     for batch in loader:
         response = batch["completion_mask"][:, 1:].bool()
         with accelerator.autocast():  # as TRL's compute_ref_log_probs: bf16 stores what stock stores
-            per_token = trainer._reference_log_probs(model, batch, response)
-        chosen_sum, rejected_sum = trainer._reference_sums(batch, per_token)
+            per_token = reference_log_probs(model, batch, response)
+        chosen_sum, rejected_sum = reference_sums(batch, per_token)
         # pad every process's batch to the same width, then gather (dataset order; duplicates of the last batch
         # dropped, like TRL's gather_for_metrics of the sums)
         per_token = accelerator.pad_across_processes(per_token.float(), dim=1)

@@ -9,8 +9,13 @@ a tiny forward once and counts the rows that actually reach the head's matrix pr
 Each private, and what pins it (a test that fails when the assumption breaks, not a `hasattr`):
 - TRL's `_compute_loss` reads the reference sums from the batch when `precompute_ref_logps` is set (`trl_loss`):
   test_replay_seam_assumptions makes the reference model's forward fail;
-- transformers' `_tr_loss` / `_globalstep_last_logged` and TRL's `_metrics` (`logging_window`), read directly:
-  the resume tests require the logged figures after a resume to equal the uninterrupted run's;
+- transformers' `_tr_loss` / `_globalstep_last_logged` and TRL's `_metrics` (`logging_window`, `train_metrics`), read
+  directly: the resume tests require the logged figures after a resume to equal the uninterrupted run's, and
+  tests/test_parity.py the logged keys;
+- transformers' `_get_output_dir` (`run_output_dir`): the checkpoint and resume tests (tests/test_failures.py) find
+  each checkpoint where it was saved;
+- TRL's `_precompute_engine` (`deepspeed_reference_engine`), the DeepSpeed engine its precompute reuses:
+  tests/test_dropin.py::test_seam_private_attributes_exist;
 - `Trainer._maybe_log_save_evaluate(tr_loss, grad_norm, ...)` called positionally: checked at import, and
   tests/test_failures.py::test_guard_reads_the_step_gradient_norm (a NaN gradient norm must stop the run);
 - TRL's `_use_triton` switch of the fused head (`compact_lm_head`): `check_compact_lm_head`, once per process;
@@ -68,10 +73,13 @@ __all__ = [
     "as_pruned_config",
     "check_compact_lm_head",
     "compact_lm_head",
+    "deepspeed_reference_engine",
     "logging_window",
     "no_grad_block",
     "reference_context",
     "restore_logging_window",
+    "run_output_dir",
+    "train_metrics",
     "trl_loss",
     "without_tied_keys",
 ]
@@ -127,6 +135,26 @@ def trl_loss(trainer, model, batch: dict):
         return trainer._compute_loss(model, batch, return_outputs=False)
     finally:
         trainer.precompute_ref_logps = precompute
+
+
+def train_metrics(trainer) -> dict:
+    """TRL's training metric lists (`_metrics["train"]`: key -> the values since the last log, averaged by `log`)."""
+    return trainer._metrics["train"]
+
+
+def run_output_dir(trainer, trial=None) -> str:
+    """The run's output folder, as transformers' `_get_output_dir` names it (a hyperparameter trial's own)."""
+    return trainer._get_output_dir(trial=trial)
+
+
+def deepspeed_reference_engine(trainer):
+    """The policy prepared once for DeepSpeed inference, cached where TRL's own precompute caches it
+    (`_precompute_engine`), so both precomputes share one engine."""
+    if trainer._precompute_engine is None:
+        from trl.models import prepare_deepspeed
+
+        trainer._precompute_engine = prepare_deepspeed(trainer.model, trainer.accelerator)
+    return trainer._precompute_engine
 
 
 def no_grad_block(model, gradient_checkpointing_kwargs) -> contextlib.ExitStack:

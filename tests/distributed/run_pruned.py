@@ -88,17 +88,14 @@ def record_draws(trainer) -> list:
     """Wrap the trainer's mask draw to keep, per micro-step, the masks, the batch they were drawn for and the keep
     probabilities drawn with (this rank's mean over its pairs)."""
     draws = []
-    if not hasattr(trainer, "_draw_masks"):
+    if not hasattr(trainer, "last_micro_step"):
         return draws
-    draw, options, drawn = trainer._draw_masks, trainer._mask_options, {}
+    forward = trainer.concatenated_forward
 
-    def recording_options(inputs=None):
-        drawn.update(options(inputs))
-        return drawn
-
-    def recording(inputs):
-        masks = draw(inputs)
-        step, micro = trainer._mask_step
+    def recording(model, inputs):
+        outputs = forward(model, inputs)
+        done = trainer.last_micro_step
+        (step, micro), masks, drawn = done.step, done.masks, done.options
         draws.append({
             "step": step,
             "micro": micro,
@@ -109,9 +106,9 @@ def record_draws(trainer) -> list:
             **{key: float(torch.as_tensor(drawn[key], dtype=torch.float64).mean())
                for key in ("branch_keep_prob", "position_keep_prob")},
         })
-        return masks
+        return outputs
 
-    trainer._draw_masks, trainer._mask_options = recording, recording_options
+    trainer.concatenated_forward = recording
     return draws
 
 
@@ -210,8 +207,8 @@ def main():
             "log_history": trainer.state.log_history,
             "draws": draws,
             # auto (auto.py): what it measured and chose, the same on every rank
-            "auto": {"history": trainer._auto_probs.history, "choice": list(trainer._auto_probs.choice)}
-            if getattr(trainer, "_auto_probs", None) is not None else None,
+            "auto": {"history": trainer.auto_keep_probs.history, "choice": list(trainer.auto_keep_probs.choice)}
+            if getattr(trainer, "auto_keep_probs", None) is not None else None,
             # the precomputed reference (each rank computed a shard; every rank must hold the whole, in order)
             "stored_reference": {c: v for c, v in trainer.train_dataset[:].items() if c in STORED_REFERENCE},
         }

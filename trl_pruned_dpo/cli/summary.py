@@ -38,17 +38,19 @@ def savings_line(trainer) -> str:
     on = [name for name in reversed(EXACT_SAVINGS) if getattr(trainer.args, name, False)]  # share_prompt first
     if not on:
         return "off (share_prompt and padding_free false): padded rows, as stock"
-    if getattr(trainer, "_stock_reason", None):  # what the savings need is missing: said once, at the start
-        return f"{', '.join(on)} ignored ({trainer._stock_reason}): TRL's own forward ran"
-    if not getattr(trainer, "_packed", True):  # the model's attention cannot run packed (with a pruning on)
+    choice = trainer.forward_choice
+    # What the savings need is missing: said once, at the start.
+    if not choice.pruned and choice.why:
+        return f"{', '.join(on)} ignored ({choice.why}): TRL's own forward ran"
+    # The model's attention cannot run packed (with a pruning on).
+    if not choice.packed:
         return f"{', '.join(on)} ignored for this model: padded rows ran (exact)"
     return f"{', '.join(on)} (exact; off: --share_prompt false --padding_free false)"
 
 
 def auto_choice(trainer) -> dict | None:
     """The last choice of a keep probability "auto" (trl_pruned_dpo/auto.py), restored with a resumed checkpoint."""
-    auto = getattr(trainer, "_auto_probs", None)
-    history = getattr(auto, "history", None)
+    history = getattr(trainer.auto_keep_probs, "history", None)
     return history[-1] if history else None
 
 
@@ -102,16 +104,16 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
 
 def closing_lines(trainer) -> list:
     """Summary lines (label, text) or plain strings: worst values, resume note, then saved model or stop."""
-    args, lines, stop = trainer.args, [], getattr(trainer, "stop_request", None)
-    guard = getattr(trainer, "divergence_guard", None)
+    args, lines, run = trainer.args, [], trainer.run_state
+    stop, guard = run.stop_request, run.divergence_guard
     worst = guard.summary() if guard is not None else None
     if worst:
         lines.append(("worst values", worst))
-    if getattr(trainer, "resumed_from", None):
-        start = checkpoints.checkpoint_step(trainer.resumed_from)
-        note = f"{trainer.resumed_from}: the training time covers steps {start + 1 if start is not None else '?'}-"
+    if run.resumed_from:
+        start = checkpoints.checkpoint_step(run.resumed_from)
+        note = f"{run.resumed_from}: the training time covers steps {start + 1 if start is not None else '?'}-"
         note += f"{trainer.state.global_step} only"
-        if not getattr(trainer, "restored_logging_window", False):
+        if not run.restored_logging_window:
             note += "; the first logged loss and prune/* figures after it cover only the resumed steps"
         lines.append(("resumed from", note))
     if stop is not None and stop.signal_number is not None:

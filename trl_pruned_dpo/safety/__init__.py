@@ -5,4 +5,5 @@
 - data_checks.py: degenerate and truncated pairs, said before training.
 - output_dir.py: one run per output folder, a folder that can be written, checked before any work.
 - signals.py: SIGTERM/Ctrl-C stop at the end of a step with a checkpoint, and the command that resumes.
+- run_state.py: the trainer's safety fields in one object (`trainer.run_state`).
 """

@@ -326,14 +326,14 @@ def _agree(trainer, error: BaseException | None) -> tuple[str | None, int | None
     return reason, rank, full
 
 
-def save_complete(trainer, save, model, trial, run_state: dict) -> None:
-    """`save(model, trial)` (TRL's checkpoint), then every process's `run_state` and the completion marker; older
-    checkpoints are rotated only after the new one is complete. A failure on any process (a full disk said in one line,
-    the partial folder removed by the main process) ends every process with the same one-line error."""
+def save_complete(trainer, save, model, trial, run_state: dict, run_dir: str) -> None:
+    """`save(model, trial)` (TRL's checkpoint, in `run_dir`), then every process's `run_state` and the completion
+    marker; older checkpoints are rotated only after the new one is complete. A failure on any process (a full disk
+    said in one line, the partial folder removed by the main process) ends every process with the same one-line
+    error."""
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
     args = trainer.args
-    run_dir = trainer._get_output_dir(trial=trial)
     folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
     name = os.path.basename(folder)
     limit, args.save_total_limit = args.save_total_limit, None

@@ -180,16 +180,17 @@ def step_values(trainer, loss, grad_norm, stop_requested: bool) -> tuple[float, 
     return loss_value, (None if grad_norm is None else norm_value), stop > 0
 
 
-def check_step(trainer, loss, grad_norm) -> str | None:
+def check_step(trainer, run_state, loss, grad_norm, output_dir: str) -> str | None:
     """An optimizer step just ended with `loss` (this process's, summed over its micro-steps): when the guard is on,
-    record it, and when it diverged stop training without checkpointing it; when a stop signal reached any process
-    (safety/signals.py, `trainer.stop_request`), stop with a checkpoint. Returns the one-line reason, or None.
+    record it in `run_state.divergence_guard`, and when it diverged stop training without checkpointing it (naming
+    the last complete checkpoint under `output_dir`); when a stop signal reached any process (safety/signals.py,
+    `run_state.stop_request`), stop with a checkpoint. Returns the one-line reason, or None.
 
     Reads nothing from the device when the guard is off and no signal needs agreeing on across processes; else one
     fused read (`step_values`), the same on every process, so every process takes the same decision."""
     args, control = trainer.args, trainer.control
     guard_on = stops_on_divergence(args)
-    request = getattr(trainer, "stop_request", None)
+    request = run_state.stop_request
     signalled = request is not None and request.signal_number is not None
     if not guard_on and (request is None or args.world_size == 1):
         return None  # the signal callback decides alone in a single process
@@ -199,10 +200,10 @@ def check_step(trainer, loss, grad_norm) -> str | None:
     if not guard_on:
         return None
     step = trainer.state.global_step
-    problem = trainer.divergence_guard.observe(step, loss_value, norm)
+    problem = run_state.divergence_guard.observe(step, loss_value, norm)
     if problem is None:
         return None
-    last = checkpoints.last_complete(trainer._get_output_dir(trial=None))
+    last = checkpoints.last_complete(output_dir)
     restart = f"resume from the last complete checkpoint, {last}" if last else "start again"
     control.should_save = control.should_evaluate = False
     control.should_training_stop = True

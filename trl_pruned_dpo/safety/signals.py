@@ -109,7 +109,7 @@ def stop_on_signals(trainer):
         previous[sig] = signal.signal(sig, handler)
     callback = _stop_callback(request, trainer)
     trainer.add_callback(callback)
-    trainer.stop_request = request
+    trainer.run_state.stop_request = request
     try:
         yield request
     finally:

@@ -1,0 +1,143 @@
+"""Which forward training runs: TRL's own, the plugin's padded rows, or its packed rows (prompts once per pair or not),
+and why. One value, `ForwardChoice`, decided when the trainer is built and read-only after (`trainer.forward_choice`).
+
+It is decided in two parts, because TRL's constructor needs the first and supplies what the second reads:
+- `before_trl`: whether the plugin's forward runs at all (TRL's reference precompute, collator and signature columns
+  follow it), from the config and the data (`check_prunable`);
+- `after_trl`: the layout, from the models TRL loaded (`attention.packed_verdict`), the MoE router loss and a vision
+  dataset (known only once TRL has read it).
+One later change is possible, once: a model whose family no test proves exact runs packed only after the first packed
+batch agrees with the padded one (`check_first_batch`); otherwise the choice is downgraded and says why.
+"""
+
+import dataclasses
+import warnings
+
+import torch
+from accelerate.utils import is_peft_model
+
+from .config import EXACT_SAVINGS, uses_pruned_forward
+from .method import attention
+from .method.execute import packed_against_padded
+from .reference import NON_MODEL_KEYS, host_batch
+from .safety.data_checks import VISION_ERROR, check_prunable
+from .seam import check_compact_lm_head, compact_lm_head, no_grad_block
+
+# Batch keys the packed forward knows how to pack; any other per-token input makes it run padded.
+SHAREABLE_KEYS = {"input_ids", "attention_mask"} | NON_MODEL_KEYS
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardChoice:
+    """The forward training runs, and why (docs/method.md, "Exact savings").
+
+    `pruned`: the plugin's forward (False: TRL's own, a drop-in by construction). `packed`: its rows run packed
+    (`padding_free`/`share_prompt` on a model the packed attention takes), `share_prompt`: with each pair's prompt run
+    once. `why`: why the exact savings asked for do not run (None when they run, or none was asked). `models`: the
+    models whose attention is switched to the packed one; `unproven`: those whose family no test proves exact, checked
+    on the first packed batch.
+    """
+
+    pruned: bool
+    packed: bool = False
+    share_prompt: bool = False
+    why: str | None = None
+    models: tuple = ()
+    unproven: tuple = ()
+
+    def layout(self, inputs: dict) -> tuple[bool, bool]:
+        """(packed, share) for this batch: a batch with per-token inputs other than token ids runs padded."""
+        packed = self.packed and not (set(inputs) - SHAREABLE_KEYS)
+        return packed, packed and self.share_prompt
+
+
+def _without_savings(args, why: ValueError | str) -> ForwardChoice:
+    """The exact savings cannot run. A refusal (ValueError) is raised where an estimator is on; otherwise one line
+    says why and what runs instead: with only the savings on, TRL's own forward, else the plugin's padded rows."""
+    if isinstance(why, ValueError) and args.pruning_enabled:
+        raise why
+    stock = not args.pruning_enabled
+    wanted = " and ".join(name for name in EXACT_SAVINGS if getattr(args, name, False))
+    then = "TRL's own forward runs (exact; pruning is off)" if stock else "Training runs padded rows (exact, slower)"
+    warnings.warn(f"{wanted} ignored: {str(why).rstrip('.')}. {then}.", stacklevel=5)
+    return ForwardChoice(pruned=not stock, why=str(why))
+
+
+def before_trl(args, train_dataset, processing_class, always_pruned: bool = False) -> ForwardChoice:
+    """Whether the plugin's forward runs, before TRL's constructor (its precompute follows it): refuse what the
+    pruned forward cannot do. `always_pruned`: the plugin's forward even with everything off (benchmarks)."""
+    if not uses_pruned_forward(args):
+        return ForwardChoice(pruned=always_pruned)
+    try:
+        check_prunable(args, train_dataset, processing_class)
+        choice = ForwardChoice(pruned=True)
+    except ValueError as refusal:
+        choice = _without_savings(args, refusal)
+    check_compact_lm_head()
+    return choice
+
+
+def after_trl(choice: ForwardChoice, args, models, aux_loss_enabled: bool, is_vision: bool) -> ForwardChoice:
+    """The layout, once TRL has loaded the models: packed (`padding_free`/`share_prompt` on models
+    `attention.packed_verdict` allows; a family outside the tested table only after `check_first_batch` agrees) or
+    padded (said once), or TRL's own forward for a vision dataset with only the savings on."""
+    if not choice.pruned or not uses_pruned_forward(args):
+        return choice
+    if is_vision:
+        return _without_savings(args, ValueError(VISION_ERROR))
+    if aux_loss_enabled and args.prune_common_prefix:
+        raise ValueError("prune_common_prefix cannot be exact with the MoE router auxiliary loss "
+                         "(output_router_logits=True): stock's router loss counts every token of every row, and "
+                         "the common prefix's rows and positions do not run; turn one of them off.")
+    if not any(getattr(args, name, False) for name in EXACT_SAVINGS):
+        return choice
+    models = [m.get_base_model() if is_peft_model(m) else m for m in models]
+    verdicts = [attention.packed_verdict(model) for model in models]
+    reason = next((v for v in verdicts if v not in (None, attention.CHECK)), None)
+    # Stock's router loss counts every padded row's tokens; a packed row counts a shared prompt once.
+    if aux_loss_enabled and not reason:
+        reason = "the MoE router auxiliary loss needs the padded batch"
+        if args.pruning_enabled:
+            reason += " (with pruning on, the router loss is the backpropagated rows' own, over their tokens run)"
+    if reason:
+        return _without_savings(args, reason)
+    unproven = tuple(m for m, v in zip(models, verdicts) if v == attention.CHECK)
+    return ForwardChoice(pruned=True, packed=True, share_prompt=bool(args.share_prompt), models=tuple(models),
+                         unproven=unproven)
+
+
+def check_first_batch(choice: ForwardChoice, trainer, inputs) -> ForwardChoice:
+    """Once, on the first packed batch, for a family outside the tested table: the packed and the padded per-token
+    log-probs of a few pairs, no grad; packed from then on only if they agree to round-off (1e-4 in float32, 5e-2 in
+    half precision, absolute), else one line naming the largest difference and padded (or stock's) forwards. Every
+    process runs it and takes the worst (the same layout everywhere). `trainer` supplies the policy (whose
+    checkpointing is paused), the config and the accelerator."""
+    host = host_batch(inputs)
+
+    def no_grad():
+        # No grad, no checkpointing, TRL's head on the labelled positions only.
+        stack = no_grad_block(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+        stack.enter_context(compact_lm_head())
+        return stack
+
+    worst, where, failure = torch.zeros((), device=inputs["input_ids"].device), "", None
+    for model in choice.unproven:
+        try:
+            difference = packed_against_padded(model, choice.models, host, inputs, choice.share_prompt,
+                                               NON_MODEL_KEYS, no_grad)
+        except Exception as error:  # noqa: BLE001 - a model the packed forward cannot run: padded, said why
+            message = str(error).splitlines()[0] if str(error) else ""
+            failure, where = f"{type(error).__name__}: {message}", model.config.model_type
+            worst = torch.full_like(worst, float("inf"))
+            break
+        if difference > worst:
+            worst, where = difference, model.config.model_type
+    worst = trainer.accelerator.reduce(worst, reduction="max")
+    tolerance = 1e-4 if next(choice.unproven[0].parameters()).dtype in (torch.float32, torch.float64) else 5e-2
+    if float(worst) <= tolerance:
+        return dataclasses.replace(choice, unproven=())
+    attention.use_packed(choice.models, packed=False)
+    found = (f"the packed forward failed ({failure})" if failure else
+             f"the packed per-token log-probs differ from the padded ones by {float(worst):.2g} (> {tolerance:g})")
+    return _without_savings(trainer.args, f"its family ({where or 'on another process'}) is not one a test proves "
+                                          f"exact, and on the first batch {found}")
