@@ -1,4 +1,4 @@
-"""Sharing trees: the packed layout of rows that may share their leading tokens (docs/method.md, "Prompt groups").
+"""Sharing trees: the packed layout of rows that may share their leading tokens (docs/prompt_groups.md).
 
 The rows of one tree (the two rows of a pair, or every row of a prompt group: all pairs with the same prompt) run as
 the radix tree of their token sequences. A node runs, once, the positions where all its rows hold the same tokens
@@ -37,10 +37,6 @@ class Forest:
     row_node: torch.Tensor
     key_nodes: torch.Tensor
     distinct: torch.Tensor
-
-    @property
-    def tokens(self) -> int:
-        return int((self.end - self.start).sum())
 
 
 def build_forest(ids: torch.Tensor, length: torch.Tensor, trees: torch.Tensor) -> Forest | None:
