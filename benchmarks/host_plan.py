@@ -58,8 +58,10 @@ def make_pairs(n_pairs: int, scale: float, responses: int, rng: random.Random):
     return pairs[:n_pairs]
 
 
-def plan_once(host: HostBatch, share: bool = True) -> None:
-    """What the trainer plans per micro-step with the defaults (nothing pruned, both exact savings on)."""
+def plan_once(batch: HostBatch, share: bool = True) -> None:
+    """What the trainer plans per micro-step with the defaults (nothing pruned, both exact savings on), from a fresh
+    host batch (as each micro-step's collator makes one: nothing derived from an earlier plan)."""
+    host = HostBatch(batch.input_ids, batch.attention_mask, batch.completion_mask)
     masks = draw_masks(host.input_ids, host.completion_mask, position_keep_prob=1.0, prefix_prune_prob=0.0,
                        prefix_min_ratio=0.5, branch_keep_prob=1.0, branch_sampling="paired", drop_common_prefix=False,
                        generator=mask_generator(0, 0, 0, 0), attention_mask=host.attention_mask)
