@@ -190,7 +190,7 @@ def test_a_lone_pair_plans_as_before(tokenizer):
         assert torch.equal(getattr(grouped, name), getattr(paired, name)), name
 
 
-# ------------------------------------------------------------------------------------------- the sampler (group_by_prompt)
+# ---------------------------------------------------------------------------------- the sampler (group_by_prompt)
 def test_grouped_order_keeps_groups_whole_where_they_fit():
     sizes = [1, 2, 3, 4, 6, 2, 1, 5, 3, 3, 9]  # one group larger than a batch
     groups, start = [], 0
