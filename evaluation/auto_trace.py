@@ -33,7 +33,8 @@ def main(argv=None):
     config = PrunedDPOConfig(output_dir=str(args.out.parent / "auto_trace_run"), per_device_train_batch_size=args.batch,
                              gradient_accumulation_steps=args.accumulation, max_steps=args.steps, learning_rate=1e-4,
                              branch_keep_prob="auto", prune_common_prefix=True, report_to="none", save_strategy="no",
-                             logging_steps=10, use_cpu=True, bf16=False, disable_tqdm=True, seed=0)
+                             logging_steps=10, use_cpu=True, bf16=False, disable_tqdm=True, seed=0,
+                             prune_log_level="debug")
     trainer = PrunedDPOTrainer(model=model, args=config, train_dataset=load_builtin(args.dataset)["train"],
                                processing_class=tokenizer)
     started = time.perf_counter()
