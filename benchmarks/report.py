@@ -1,8 +1,7 @@
 """Markdown tables and the target check of a step_time results file (what docs/benchmarks.md shows).
 
-    python -m benchmarks.report benchmarks/results/full_cpu/step_time.json
-    python -m benchmarks.report benchmarks/results/workloads_quick_cpu/step_time.json   # the --workload table
-    python -m benchmarks.report benchmarks/results/model_smollm2_cpu/step_time.json     # a --model table
+    python -m benchmarks.report benchmarks/results/model_smollm2_scale0.25_after_cpu/step_time.json  # a --model table
+    python -m benchmarks.report benchmarks/results/<folder>/step_time.json                            # any results file
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
     python -m benchmarks.step_time            # --quick (default): checkpointing on, both reference modes, memory
     python -m benchmarks.step_time --full     # + checkpointing off, 10 rounds, response-length x vocabulary scaling
     python -m benchmarks.step_time --smoke    # tiniest mode (CI): checks the harness, numbers mean nothing
-    python -m benchmarks.step_time --share    # share_prompt on three workloads (multi-turn, ultrafeedback, near-copy)
     python -m benchmarks.step_time --workload all [--quick|--full|--smoke]   # exact savings on ragged lengths
 
 On CPU the default is one torch thread and the process CPU-time clock (honest on a machine shared with other jobs;
@@ -65,11 +64,6 @@ SETTINGS = {
     "max": dict(branch_keep_prob=0.5, position_keep_prob=0.25, prefix_prune_prob=0.75),
     # share_prompt (exact): each pair's prompt and common response start run once (docs/method.md, "Packed layout")
     "share": dict(share_prompt=True),
-    "share+branch": dict(share_prompt=True, branch_keep_prob=0.5),
-    "share+position": dict(share_prompt=True, position_keep_prob=0.5),
-    "share+prefix": dict(share_prompt=True, prefix_prune_prob=0.5),
-    "share+prefix+position": dict(share_prompt=True, prefix_prune_prob=0.5, position_keep_prob=0.5),
-    "share+all": dict(share_prompt=True, branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5),
 }
 # The exact savings (issue 20) on ragged workloads (`--workload`): TRL's own `padding_free` field (stock TRL 1.16 ignores
 # it and pads), then the plugin's prompt sharing and common-prefix skipping on top -- "exact" is the preset that keeps
@@ -89,14 +83,6 @@ WORKLOAD_SETTINGS = ["padding_free", "padding_free+share", "exact", "exact+prefi
 # `--model`: the exact preset and each fixed pruning on top of it (issue 29, item 5)
 MODEL_SETTINGS = ["padding_free", "exact", "exact+branch0.5", "exact+position0.5", "exact+prefix0.5"]
 ESTIMATORS = ("prefix_prune_prob", "position_keep_prob", "branch_keep_prob")  # settings with these are not exact
-SHARE_SETTINGS = ["none"] + [name for name in SETTINGS if name.startswith("share")]
-
-# The three workloads of the shared-prompt grid (issue 9): the same model, ~260 tokens per pair in each.
-SHARE_WORKLOADS = [
-    Workload(vocab_size=8192, prompt_len=192, response_len=64, batch_size=4, name="multi-turn"),  # prompt ~3x resp.
-    Workload(vocab_size=8192, prompt_len=64, response_len=128, batch_size=4, name="ultrafeedback"),  # dissimilar
-    Workload(vocab_size=8192, prompt_len=64, response_len=128, batch_size=4, shared_response=0.5, name="near-copy"),
-]
 
 SMOKE_SHAPE = dict(
     hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
@@ -155,10 +141,6 @@ def plan(mode: str) -> dict:
             groups=[dict(workload=tiny, precompute=False, checkpointing=True, kind="main")],
             warmup=1, rounds=2, memory="all", memory_steps=1, memory_settings=["combined"],
         )
-    if mode == "share":  # the three shared-prompt workloads, TRL's default (checkpointing on), live reference
-        groups = [dict(workload=w, precompute=False, checkpointing=True, kind="share") for w in SHARE_WORKLOADS]
-        return dict(groups=groups, warmup=1, rounds=5, memory="all", memory_steps=2,
-                    memory_settings=["none", "share", "share+prefix+position", "share+all"])
     if mode == "quick":  # TRL's default (checkpointing on), both reference modes
         return dict(groups=main[:2], warmup=2, rounds=6, memory="all", memory_steps=2)
     # One pair per step keeps the 128k-vocabulary, 1024-token cells within a 2-core budget. With one pair each group
@@ -589,8 +571,6 @@ def main(argv=None):
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="main grid (default)")
     mode.add_argument("--full", dest="mode", action="store_const", const="full", help="+ memory everywhere, scaling")
     mode.add_argument("--smoke", dest="mode", action="store_const", const="smoke", help="tiniest mode, for CI")
-    mode.add_argument("--share", dest="mode", action="store_const", const="share",
-                      help="share_prompt grid: multi-turn, ultrafeedback and near-copy workloads")
     parser.add_argument(
         "--workload", nargs="+", choices=[*WORKLOAD_NAMES, "all"],
         help="ragged workloads (ultrafeedback, hh, multiturn: lengths in workload.LENGTH_MODELS; short: uniform), "
@@ -631,8 +611,7 @@ def main(argv=None):
     elif args.model:
         workloads = ["ultrafeedback", "hh"]
     if args.settings is None:
-        args.settings = (MODEL_SETTINGS if args.model else WORKLOAD_SETTINGS if workloads
-                         else SHARE_SETTINGS if mode == "share" else MAIN_SETTINGS)
+        args.settings = MODEL_SETTINGS if args.model else WORKLOAD_SETTINGS if workloads else MAIN_SETTINGS
     on_cpu = args.device == "cpu"
     # On a CPU shared with other jobs, several threads oversubscribe the cores and ratios collapse toward 1.0x: one
     # thread and the CPU-time clock measure honestly there (docs/benchmarks.md).

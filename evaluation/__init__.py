@@ -12,7 +12,12 @@ results and the command that produced them. Modules, in the order a run uses the
 - evaluate.py   the exact (unpruned) held-out metrics: implicit-reward accuracy and margin, greedy generation accuracy
 - gradients.py  pruned-vs-full gradient diagnostics on fixed batches (cosine, relative variance, bias)
 - report.py     aggregation over seeds (t-intervals, paired deltas, equal-time readings) and the PNG plots
-- write_doc.py  quality.md from the cached results, with findings.md (the hand-written analysis) included
+- write_doc.py  the main study's section of docs/quality.md from the cached results (the page's hand-written parts
+                stay)
 - quality.py    the command line that runs all of the above, resumable
 - store.py      the result store it resumes from (JSON keyed by a fingerprint), shared with regimes.py
+
+The regimes study (data x batch size; regimes.py, regimes_report.py) and three tools on `auto` (auto_overhead.py:
+its cost where it keeps everything; auto_trace.py: its choices over a long run; auto_rows.py: its rows of a regimes
+folder against the exact run) are documented in docs/quality.md; tests/test_quality_quick.py runs each at tiny sizes.
 """

@@ -1,4 +1,4 @@
-"""The `auto` rows of issue 21 from a regimes study folder: per cell and seed, `auto` (one micro-batch per step: the
+"""The `auto` rows of docs/quality.md ("`auto` on the regimes cells") from a regimes study folder: per cell and seed, `auto` (one micro-batch per step: the
 B / 2B path; `auto_cp_acc2`, two: the engine path) and a fixed branch 0.5 against
 the exact plugin run of the same seed (`common_prefix`: the unpruned path, which computes stock's loss): held-out
 accuracy at N and averaged over the evaluations from N to 1.5 N (less noisy than one evaluation), the work to N
@@ -12,15 +12,17 @@ import statistics
 import sys
 from pathlib import Path
 
-N = 24
+def budget(run) -> int:
+    """N, the run's equal-steps budget (24 in the published study)."""
+    return run["config"]["steps"]
 
 
-def at(run, key, step=N):
-    return next(c[key] for c in run["curve"] if c["step"] == step)
+def at(run, key):
+    return next(c[key] for c in run["curve"] if c["step"] == budget(run))
 
 
 def late(run):
-    return statistics.mean(c["pref_acc"] for c in run["curve"] if c["step"] >= N)
+    return statistics.mean(c["pref_acc"] for c in run["curve"] if c["step"] >= budget(run))
 
 
 def rows(folder: Path, cell: str, setting: str):

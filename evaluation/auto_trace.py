@@ -1,7 +1,7 @@
-"""The long-run trace of `auto` (issue 21, docs/quality.md "auto over a long run"): the demo task and model, `auto`
+"""The long-run trace of `auto` (docs/quality.md, "`auto` on the regimes cells"): the demo task and model, `auto`
 branch probabilities, the noise scale B_simple and the choice every 10 steps.
 
-    python -m evaluation.auto_trace --steps 1000 --out runs/auto_trace.json
+    python -m evaluation.auto_trace --steps 1000 --out runs/auto_trace.json [--model builtin:tiny-demo-sft]
 """
 
 import argparse
@@ -16,6 +16,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=8, help="pairs per micro-batch")
     parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--model", default="builtin:tiny-demo-sft")
     parser.add_argument("--dataset", default="builtin:sort-short")
     parser.add_argument("--out", type=Path, default=Path("runs/auto_trace.json"))
     args = parser.parse_args(argv)
@@ -28,12 +29,13 @@ def main(argv=None):
     from trl_pruned_dpo.demo.tasks import load_builtin
 
     torch.set_num_threads(1)
-    path = resolve_model("builtin:tiny-demo-sft")
+    path = resolve_model(args.model)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     config = PrunedDPOConfig(output_dir=str(args.out.parent / "auto_trace_run"), per_device_train_batch_size=args.batch,
                              gradient_accumulation_steps=args.accumulation, max_steps=args.steps, learning_rate=1e-4,
                              branch_keep_prob="auto", prune_common_prefix=True, report_to="none", save_strategy="no",
-                             logging_steps=10, use_cpu=True, bf16=False, disable_tqdm=True, seed=0)
+                             logging_steps=10, use_cpu=True, bf16=False, disable_tqdm=True, seed=0,
+                             prune_log_level="debug")
     trainer = PrunedDPOTrainer(model=model, args=config, train_dataset=load_builtin(args.dataset)["train"],
                                processing_class=tokenizer)
     started = time.perf_counter()

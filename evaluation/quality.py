@@ -8,8 +8,7 @@ the configuration that produced it is unchanged):
 3. step timing, round-robin (gradients.step_times); ``timing.json``;
 4. gradient diagnostics at the starting policy, at stock's trained policy, and there on "far" pairs
    (gradients.diagnose); ``gradients-<state>.json``;
-5. the report: PNG curves and ``quality.md`` with the tables (report.py + the findings text kept in
-   evaluation/findings.md).
+5. the report: PNG curves and the main study's section of ``quality.md`` (report.py, write_doc.py).
 
 The full study writes docs/quality.md and docs/img/quality_*.png; ``--quick`` (tiny sizes, ~5 minutes) writes
 under its ``--out`` only, so it never overwrites the published results. ``--stage`` runs one stage (e.g. to split
@@ -26,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from . import store  # the result store the regimes study shares
+from .settings import DIAGNOSED
 from .store import REPO
 
 
@@ -52,11 +52,13 @@ FULL = Profile(run=dict(steps=150, pruned_steps_factor=1.5, eval_every=25, gen_e
 QUICK = Profile(quick=True, n_sft=4096, sft_steps=300, n_train=256, n_test=32, n_gen=32, diag_batches=2,
                 sgd_batches=6, diag_draws=6, timing_rounds=2, timing_steps=2,
                 run=dict(steps=30, eval_every=10, gen_every=10, eval_batch_size=16))
-# CI's smoke test: the quick profile at the smallest sizes that still exercise every stage (well under 90 s).
+# CI's smoke test: the quick profile at the smallest sizes that still exercise every stage, and every setting the
+# published tables name: trained, the three prototype laws of the training runs (annealing, masks per row, per pair);
+# diagnosed, every one of them (a setting the docs cite cannot break unnoticed).
 SMOKE = replace(QUICK, n_sft=256, sft_steps=10, n_train=32, n_test=16, n_gen=8, seeds=(0, 1),
-                settings=("stock", "branch_cp"), diag_settings=("branch_cp", "position_cp"), diag_batches=1,
-                sgd_batches=2,
-                diag_draws=2, timing_rounds=1, timing_steps=1,
+                settings=("stock", "branch_cp_anneal", "position_cp_rows", "prefix_cp_shared"),
+                diag_settings=tuple(DIAGNOSED),
+                diag_batches=1, sgd_batches=2, diag_draws=2, timing_rounds=1, timing_steps=1,
                 run=dict(steps=4, eval_every=2, gen_every=4, eval_batch_size=8))
 
 def _log(message: str):

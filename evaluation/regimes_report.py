@@ -18,11 +18,10 @@ import math
 import statistics
 from pathlib import Path
 
-from .report import curve, interp, mean_ci, window
+from .report import curve, interp, mean_ci, window, write_section
 from .settings import SETTINGS as ALL
 
 START, END = "<!-- regimes:start -->", "<!-- regimes:end -->"
-FINDINGS = Path(__file__).with_name("regimes_findings.md")  # written by hand from a run; included as is
 
 
 def _runs(study, regime, batch, setting):
@@ -256,24 +255,16 @@ def render(study, regimes, batches, settings) -> str:
                   "measurement work (share of run to N) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|",
                   *auto_lines, ""]
-    if FINDINGS.is_file():
-        lines += [FINDINGS.read_text().rstrip("\n"), ""]
     lines.append(END)
     return "\n".join(lines) + "\n"
 
 
 def write(study, regimes, batches, settings, docs: Path | None):
     text = render(study, regimes, batches, settings)
+    path = study.out / "regimes.md" if docs is None else Path(docs) / "quality.md"
     if docs is None:
-        path = study.out / "regimes.md"
         path.write_text(text)
     else:
-        path = Path(docs) / "quality.md"
-        old = path.read_text() if path.is_file() else ""
-        if START in old and END in old:
-            new = old[: old.index(START)] + text.rstrip("\n") + old[old.index(END) + len(END):]
-        else:
-            new = old.rstrip("\n") + "\n\n" + text
-        path.write_text(new)
+        write_section(path, START, END, text)
     print(f"wrote {path}", flush=True)
     return text

@@ -13,6 +13,7 @@ time for N steps) is reported beside it: it is the literal comparison, but on a 
 
 import math
 import statistics
+from pathlib import Path
 
 from .prototypes import annealed
 from .settings import SETTINGS
@@ -21,6 +22,18 @@ from .settings import SETTINGS
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
          11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
          20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def write_section(path: Path, start: str, end: str, text: str, title: str = "# Quality: pruned DPO against stock DPO"):
+    """Put `text` (which starts with `start` and ends with `end`) in the file at `path`: in place of the section between
+    the two markers, or at the end. The hand-written parts of the page around the generated sections stay."""
+    old = path.read_text() if path.is_file() else f"{title}\n"
+    if start in old and end in old:
+        new = old[: old.index(start)] + text.strip("\n") + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + text.strip("\n") + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
 
 
 def t975(df: int) -> float:

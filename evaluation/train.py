@@ -122,7 +122,8 @@ def build_trainer(setting: Setting, policy_dir: str, train_ds, eval_ds, seed: in
     if setting.stock:
         args, cls = DPOConfig(**common), StockTrainer
     else:
-        args = PrunedDPOConfig(**common, **setting.pruning)
+        # The study records auto's internals too (docs/metrics.md: "debug" keys).
+        args = PrunedDPOConfig(**common, **setting.pruning, prune_log_level="debug")
         cls = _prototype_trainer(setting) if setting.mask_law != "trainer" or setting.balanced else PrunedTrainer
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     return cls(model=load_policy(policy_dir), ref_model=load_policy(policy_dir), args=args, train_dataset=train_ds,

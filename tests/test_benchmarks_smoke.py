@@ -311,12 +311,15 @@ def test_memory_sweep_skips_and_bisects():
     assert "over (predicted" in memory.length_table(rows)
 
 
-def test_memory_length_smoke_run(tmp_path):
-    """`python -m benchmarks.memory` end to end at tiny lengths: a measured point per side, the table and the plot."""
+@pytest.mark.parametrize("shape", ["uniform", "ultrafeedback"])
+def test_memory_length_smoke_run(tmp_path, shape):
+    """`python -m benchmarks.memory` end to end at tiny lengths (uniform rows, and ragged rows truncated at L): a
+    measured point per side, the table and the plot."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    lengths = ["32", "64"] if shape == "uniform" else ["32"]  # one point per side is enough for the ragged rows
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", "--lengths", "32", "64", "--pairs", "1", "--bisect", "0",
-         "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.memory", "--lengths", *lengths, "--pairs", "1", "--bisect", "0",
+         "--shape", shape, "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -326,3 +329,31 @@ def test_memory_length_smoke_run(tmp_path):
     assert "| 32 |" in proc.stdout and "Longest length" in proc.stdout
     pytest.importorskip("matplotlib")
     assert (tmp_path / "memory_length.png").stat().st_size > 0
+
+
+def test_memory_breakdown_smoke_run():
+    """`python -m benchmarks.memory_breakdown` at a tiny scale: both sides profiled, the peak attributed by region."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory_breakdown", "--workload", "hh", "--scale", "0.05", "--top", "3"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("peak of the step's live allocations") == 2, proc.stdout[-3000:]
+    assert proc.stdout.count("at the peak, by region:") == 2
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """`benchmarks/gpu_check.py --dry-run`: the GPU script's grid on a tiny CPU model, every row measured, the table
+    and both result files written (what `bash benchmarks/gpu_check.sh` runs on a device)."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--warmup", "1", "--steps", "1", "--out",
+         str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR" not in proc.stdout, proc.stdout[-3000:]
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["results"]
+    assert rows and not [r for r in rows if "error" in r], rows
+    assert (tmp_path / "gpu_check.txt").read_text().strip()

@@ -101,6 +101,9 @@ def test_console_script_trains_the_demo(tmp_path, cache):
     noise = [line for line in result.stderr.splitlines() if any(
         text in line for text in ("gemm_4bit", "is deprecated", "pin_memory"))]
     assert not noise, noise  # other libraries' notices that are not the user's business
+    assert "Writing model shards" not in result.stderr.split("Tokenizing train dataset")[0]  # the builtin build's
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # safetensors writes 0600; given the umask's
     assert "steps                    3 (" in summary
     assert "held-out reward acc." in summary
     for label in ("tokens executed", "positions scored", "branches backpropagated"):
@@ -120,7 +123,6 @@ def test_accelerate_flag_relaunches_through_accelerate(tmp_path, cache):
 
 def test_trl_dpo_uses_pruned_trainer_with_the_opt_in_hook(tmp_path, cache):
     from trl_pruned_dpo import trl_hook
-    from trl_pruned_dpo.demo.__main__ import export_dataset
 
     site_dir, startup = tmp_path / "site", tmp_path / "startup"
     assert trl_hook.main(["install", "--site-dir", str(site_dir)]) == 0
@@ -128,21 +130,22 @@ def test_trl_dpo_uses_pruned_trainer_with_the_opt_in_hook(tmp_path, cache):
     # `site_dir` as a site directory, so the installed .pth line runs exactly as it would from site-packages.
     startup.mkdir()
     (startup / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site_dir)!r})\n")
+    startup = os.pathsep.join(filter(None, [str(startup), os.environ.get("PYTHONPATH")]))  # the package under test
     probe = "import sys, trl; print(trl.DPOTrainer.__name__, 'trl_pruned_dpo' in sys.modules)"
-    inert = run([sys.executable, "-c", probe], cache, PYTHONPATH=str(startup))
+    inert = run([sys.executable, "-c", probe], cache, PYTHONPATH=startup)
     assert inert.stdout.split() == ["DPOTrainer", "False"], inert.stderr[-2000:]
     status = run([sys.executable, "-m", "trl_pruned_dpo.trl_hook", "status", "--site-dir", str(site_dir)], cache,
-                 PYTHONPATH=str(startup), TRL_PRUNED_DPO="1")
+                 PYTHONPATH=startup, TRL_PRUNED_DPO="1")
     assert "trl dpo uses PrunedDPOTrainer" in status.stdout, status.stderr[-2000:]
     assert "Warning" not in status.stderr, status.stderr[-2000:]  # no runpy warning about sys.modules
 
-    data = export_dataset("builtin:mix", tmp_path / "data")
+    # The demo's `builtin:` names, as in configs/demo.yaml: the hook resolves them to local folders.
     config = yaml.safe_load(DEMO.read_text())
-    config.update(model_name_or_path=resolve_model("builtin:tiny-demo"), dataset_name=str(data), max_steps=2,
+    config.update(model_name_or_path="builtin:tiny-demo", dataset_name="builtin:mix", max_steps=2,
                   logging_steps=1, eval_strategy="no", disable_tqdm=True, output_dir=str(tmp_path / "trl-out"))
     (tmp_path / "trl.yaml").write_text(yaml.safe_dump(config))
     trl = Path(sys.executable).with_name("trl")
-    result = run([str(trl), "dpo", "--config", str(tmp_path / "trl.yaml")], cache, timeout=600, PYTHONPATH=str(startup),
+    result = run([str(trl), "dpo", "--config", str(tmp_path / "trl.yaml")], cache, timeout=600, PYTHONPATH=startup,
                  TRL_PRUNED_DPO="1")  # two processes (trl, then its accelerate child): minutes on a busy machine
     assert result.returncode == 0, result.stderr[-3000:]
     assert "prune/branches_backpropagated" in result.stdout  # only PrunedDPOTrainer logs it
@@ -150,6 +153,58 @@ def test_trl_dpo_uses_pruned_trainer_with_the_opt_in_hook(tmp_path, cache):
     noise = [line for line in result.stderr.splitlines() if any(  # as quiet as the CLI (trl_pruned_dpo/notices.py)
         text in line for text in ("gemm_4bit", "is deprecated", "pin_memory"))]
     assert not noise, noise
+
+
+def test_the_hook_resolves_builtin_names_or_stops_in_one_line(capsys, offline):
+    """What `trl dpo` parses under the hook: a `builtin:` dataset becomes a cached folder of JSON-lines splits that
+    `datasets` loads offline; an unknown name ends the process with one line and exit code 2."""
+    import trl
+    from datasets import load_dataset
+
+    from trl_pruned_dpo.demo.export import export_builtin
+    from trl_pruned_dpo.trl_hook_startup import _resolving_builtin
+
+    arguments = _resolving_builtin(trl.ScriptArguments, "dataset_name", export_builtin)
+    assert arguments.__name__ == "ScriptArguments" and issubclass(arguments, trl.ScriptArguments)
+    folder = arguments(dataset_name="builtin:sort-short").dataset_name
+    assert arguments(dataset_name="builtin:sort-short").dataset_name == folder  # cached, not rewritten
+    loaded = load_dataset(folder)
+    assert loaded["test"].num_rows == 969 and loaded["train"][0] == load_builtin("builtin:sort-short")["train"][0]
+    assert arguments(dataset_name="trl-lib/ultrafeedback_binarized").dataset_name == "trl-lib/ultrafeedback_binarized"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        arguments(dataset_name="builtin:nope")
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1 and "builtin:sort-short" in err, err
+
+
+def test_building_a_builtin_model_draws_no_library_bars(capfd, monkeypatch, tmp_path):
+    """Stock `trl dpo` shows TRL's bars (tokenizing, loading, training); the plugin adds none of its own."""
+    from trl_pruned_dpo.cli.data import resolve_model as cli_resolve_model
+
+    monkeypatch.setenv("TRL_PRUNED_DPO_CACHE", str(tmp_path))
+    capfd.readouterr()
+    folder = Path(cli_resolve_model("builtin:tiny-demo"))
+    err = capfd.readouterr().err
+    assert (folder / "model.safetensors").is_file() and "it/s" not in err and "Writing" not in err, err
+
+
+def test_saved_files_get_the_mode_of_their_siblings(tmp_path):
+    """safetensors >= 0.8 writes weights 0600 through a temporary file; a checkpoint's files, its marker and the
+    final model (cli) get what the umask gives every other file."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_pruned_dpo.safety.checkpoints import default_mode, give_default_modes, write_json_atomic
+
+    AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-demo")).save_pretrained(tmp_path / "m")
+    kept = tmp_path / "m" / "private.txt"
+    kept.write_text("")
+    kept.chmod(0o640)  # a mode set on purpose is kept
+    give_default_modes(tmp_path / "m")
+    assert (tmp_path / "m" / "model.safetensors").stat().st_mode & 0o777 == default_mode()
+    assert kept.stat().st_mode & 0o777 == 0o640
+    write_json_atomic(tmp_path / "marker.json", {"a": 1})
+    assert (tmp_path / "marker.json").stat().st_mode & 0o777 == default_mode()
 
 
 # --- parsing --------------------------------------------------------------------------------------------------------
@@ -275,6 +330,26 @@ def bad_run(capsys, tmp_path, *argv, config=None):
     line = error_line(capsys.readouterr().err)
     assert code == 2 and not out.exists(), line
     return line
+
+
+def test_save_steps_on_the_command_line_turns_saving_on(capsys, tmp_path, offline):
+    """configs/demo.yaml says `save_strategy: "no"`; `--save_steps 20` on top of it saves every 20 steps, and says so
+    in one line before training (a kill would otherwise lose every step: TRL ignores save_steps under "no")."""
+    config = yaml.safe_load(DEMO.read_text())
+    assert config["save_strategy"] == "no"
+    *parsed, _, _ = cli.parse(["--config", str(DEMO), "--save_steps", "20", "--output_dir", str(tmp_path / "o")])
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert parsed[1].save_strategy == "steps" and parsed[1].save_steps == 20
+    assert len(notes) == 1 and "save_strategy set to \"steps\"" in notes[0], notes
+    *parsed, _, _ = cli.parse(["--config", str(DEMO), "--output_dir", str(tmp_path / "o")])
+    assert parsed[1].save_strategy == "no" and capsys.readouterr().err == ""  # no save_steps: nothing changes
+
+
+def test_save_steps_that_save_strategy_no_would_ignore(capsys, tmp_path, offline):
+    line = bad_run(capsys, tmp_path, "--save_strategy", "no", "--save_steps", "20", config={})
+    assert "save_steps 20 has no effect with --save_strategy no" in line
+    line = bad_run(capsys, tmp_path, config={"save_strategy": "no", "save_steps": 20})
+    assert "save_steps 20 has no effect with the config file's save_strategy" in line
 
 
 def test_missing_config_file(capsys, tmp_path):

@@ -220,8 +220,8 @@ def test_pruning_off_matches_stock_on_two_processes(engine_run, off_run):
             if off_run == "off":  # pruning off is TRL's own path: stock's metrics
                 assert not any(k.startswith("prune/") for k in ho)
             else:  # share_prompt (alone or with padding_free) runs the plugin's forward, exactly: stock's metrics plus
-                # the prune/ fractions
-                assert ho["prune/branches_backpropagated"] == 1.0 and ho["prune/positions_scored"] == 1.0
+                # the prune/ token fractions (those that would read 1 are "debug" keys: docs/metrics.md)
+                assert 0 < ho["prune/tokens_executed"] <= 1 and "prune/positions_scored" not in ho
     w_stock, w_off = weights(out, "stock", 0), weights(out, off_run, 0)
     # the packed attention rounds differently from stock's padded SDPA, and Adam's first steps move a weight by about
     # lr * sign(g) whatever |g|: a round-off-sized gradient entry (one of 2048 seen) ends a few 1e-6 away
@@ -370,7 +370,8 @@ def test_auto_resume_reproduces_the_masks(engine_run):
 # Two ranks holding different kinds of pairs (rank 0 near-copies, rank 1 dissimilar), `auto` on both families, no
 # accumulation: the engine path, whose warm-up probes each family by step 7. One launch of its own (DDP only).
 PER_RANK = {"name": "auto-per-rank", "data": "per-rank",
-            "config": {**SAVINGS_OFF, "branch_keep_prob": "auto", "position_keep_prob": "auto", "max_steps": 8}}
+            "config": {**SAVINGS_OFF, "branch_keep_prob": "auto", "position_keep_prob": "auto", "max_steps": 8,
+                       "prune_log_level": "debug"}}
 
 
 @pytest.mark.slow

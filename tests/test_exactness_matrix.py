@@ -211,9 +211,15 @@ def test_recurrent_families_fall_back_without_a_check(model_type, overrides, tok
     (lambda tok: _other("xglm", tok, d_model=32, ffn_dim=64, num_layers=2, attention_heads=4), "does not go through"),
 ], ids=["control", "bloom", "mpt", "falcon-alibi", "falcon", "gpt_neo", "xglm"])
 def test_modules_outside_the_attention_interface_fall_back_with_one_line(build, reason, tokenizer, tmp_path):
+    """A family whose attention module bypasses the interface falls back in one line. A model file can move onto the
+    interface in a transformers release (Falcon's rotary attention did in 5.25): then it is no longer refused but
+    checked on its first batch, and must come out exact against stock either way."""
+    model = build(tokenizer)
+    if reason and "does not go through" in reason and attention._routes_attention(model):
+        reason = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stock, pruned = trainers(build(tokenizer), tokenizer, tmp_path)
+        stock, pruned = trainers(model, tokenizer, tmp_path)
     lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
     if reason is None:
         assert not lines and pruned.forward_choice.packed

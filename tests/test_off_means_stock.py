@@ -3,7 +3,7 @@
 same loss, same gradients, same logged metrics, up to float round-off.
 
 With pruning off, training takes TRL's own path (by construction; tests/test_parity.py checks the trainer end to
-end). The step-level tests here also run the pruned machinery itself (`_pruned_loss`: masks, trimmed forwards,
+end). The step-level tests here also run the pruned machinery itself (`AtIdentity`: masks, trimmed forwards,
 compact head, estimators, replay into TRL's loss) at the identity probabilities, where it must reproduce stock."""
 
 import pytest
@@ -35,12 +35,18 @@ LOSS_CASES = [
 ]
 
 
+class AtIdentity(PrunedDPOTrainer):
+    """The plugin's own forward with every pruning and saving off (its public hook, as the benchmarks' `none` row)."""
+
+    always_pruned_forward = True
+
+
 def assert_same_step(stock, pruned, batch_size=4, machinery=True):
-    """One step of each; `machinery`: the pruned trainer runs its pruned path at identity, not TRL's delegated one."""
+    """One step of each; `machinery`: the pruned trainer runs its pruned path at identity (`AtIdentity`, or a saving
+    on), not TRL's delegated one."""
+    assert pruned.forward_choice.pruned == machinery
     batch_stock, batch_pruned = first_batch(stock, batch_size), first_batch(pruned, batch_size)
     loss_s, grads_s = loss_and_grads(stock, batch_stock)
-    if machinery:
-        pruned.compute_loss = lambda model, inputs, **_: pruned._pruned_loss(model, inputs)
     loss_p, grads_p = loss_and_grads(pruned, batch_pruned)
     torch.testing.assert_close(loss_p, loss_s, rtol=1e-5, atol=1e-6)
     assert grads_s.keys() == grads_p.keys()
@@ -54,8 +60,10 @@ def assert_same_step(stock, pruned, batch_size=4, machinery=True):
     for key, value in metrics_s.items():
         assert metrics_p[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     if machinery:
-        assert metrics_p["prune/positions_scored"] == 1.0
-        assert metrics_p["prune/branches_backpropagated"] == 1.0
+        # At identity nothing is sampled: the fractions that would read 1 are diagnostics ("debug", docs/metrics.md),
+        # and every token executed is backpropagated.
+        assert "prune/positions_scored" not in metrics_p and "prune/branches_backpropagated" not in metrics_p
+        assert metrics_p["prune/tokens_backpropagated"] == metrics_p["prune/tokens_executed"] > 0
     else:
         assert metrics_p.keys() == metrics_s.keys()
 
@@ -63,7 +71,7 @@ def assert_same_step(stock, pruned, batch_size=4, machinery=True):
 @pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_loss_gradients_and_metrics_equal_stock(case, tokenizer, dataset, tmp_path):
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, dataset, tmp_path / "s", **case)
-    pruned = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **case, **SAVINGS_OFF)
+    pruned = build_trainer(AtIdentity, PrunedDPOConfig, tokenizer, dataset, tmp_path / "p", **case, **SAVINGS_OFF)
     assert_same_step(stock, pruned)
 
 
@@ -85,8 +93,9 @@ def test_equal_stock_with_peft(tokenizer, dataset, tmp_path, precompute):
         return lora_trainer(trainer_cls, config_cls, tokenizer, dataset, out, per_device_train_batch_size=4,
                             precompute_ref_log_probs=precompute, **extra)
 
+    pruned_cls = PrunedDPOTrainer if precompute else AtIdentity
     assert_same_step(make(DPOTrainer, DPOConfig, tmp_path / "s"),
-                     make(PrunedDPOTrainer, PrunedDPOConfig, tmp_path / "p", **SAVINGS_OFF), machinery=not precompute)
+                     make(pruned_cls, PrunedDPOConfig, tmp_path / "p", **SAVINGS_OFF), machinery=not precompute)
 
 
 def test_training_run_logs_the_same_history(tokenizer, dataset, tmp_path):

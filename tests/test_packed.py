@@ -140,8 +140,9 @@ def test_default_config_trains_packed_and_matches_stock(tokenizer, dataset, tmp_
     needed = stats["tokens_needed"] - stats["rows"]  # shared prompt starts once (`tokens_needed` counts each row's
     assert 0 < stats["policy_tokens_executed"] < needed  # last label token too); padding executed: none
     assert stats["shared_pairs"] > 0
-    assert step1_p["prune/pairs_shared"] > 0 and 0 < step1_p["prune/tokens_executed"] < 1
-    assert step1_p["prune/positions_scored"] == step1_p["prune/branches_backpropagated"] == 1.0  # nothing pruned
+    assert 0 < step1_p["prune/tokens_executed"] < 1
+    # Nothing sampled: the fractions that would read 1 and the cost model's choice are "debug" keys (docs/metrics.md).
+    assert not {"prune/positions_scored", "prune/branches_backpropagated", "prune/pairs_shared"} & set(step1_p)
 
 
 def test_default_config_falls_back_on_an_unsupported_model(tokenizer, tmp_path):

@@ -351,3 +351,62 @@ def test_moe_aux_loss_is_logged_under_its_stock_name_with_pruning_on(family, tmp
     assert final["aux_loss"] > 0 and "train_loss" in final  # TRL's own assertion, on the final summary
     assert isinstance(final["prune/positions_scored"], float) and 0 < final["prune/positions_scored"] < 1
     assert not any("aux_loss_grad_rows" in k for h in trainer.state.log_history for k in h)
+
+
+# ------------------------------------------------------------------------------------------------- the logged keys
+def documented_keys() -> set[str]:
+    """Every key of docs/metrics.md's table (its first column)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    return {key for row in rows for key in row.replace(" ", "").replace("`", " ").split() if key != ","}
+
+
+# Stock's per-branch and per-token keys, which `prune_common_prefix` moves to `_after_common_prefix` names.
+PARTIAL = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "logps/chosen", "logps/rejected",
+           "rewards/chosen", "rewards/rejected")
+
+
+@pytest.mark.parametrize("setting", ["savings", "common_prefix", "position", "position_auto", "branch", "debug"])
+def test_logged_keys_follow_the_table(setting, tmp_path):
+    """The keys each setting logs (docs/metrics.md): stock's names where the value is stock's or unbiased for it, one
+    clearly named key where none is, the diagnostics only at `prune_log_level="debug"`; every key documented."""
+    pruning = {"savings": {}, "common_prefix": {"prune_common_prefix": True},
+               "position": {"position_keep_prob": 0.5}, "position_auto": {"position_keep_prob": "auto"},
+               "branch": {"branch_keep_prob": 0.5},
+               "debug": {"branch_keep_prob": "auto", "prune_common_prefix": True, "prune_log_level": "debug"}}[setting]
+    config = dict(output_dir=str(tmp_path / "stock"), **{**ARGS, "max_steps": 2})
+    stock = DPOTrainer(model=saved(), args=DPOConfig(**config), train_dataset=data(), processing_class=TOKENIZER)
+    stock.train()
+    config["output_dir"] = str(tmp_path / "plugin")
+    plugin = PrunedDPOTrainer(model=saved(), args=PrunedDPOConfig(**config, **pruning), train_dataset=data(),
+                              processing_class=TOKENIZER)
+    plugin.train()
+    stock_keys = set(stock.state.log_history[0])
+    keys = set(plugin.state.log_history[0])
+    prune = {k for k in keys if k.startswith("prune/")}
+    assert keys - prune <= stock_keys and prune <= documented_keys()
+    work = {"prune/tokens_executed", "prune/tokens_backpropagated"}
+    if setting in ("savings", "branch"):
+        # Every value stock's (branch pruning changes no value, only the gradient).
+        assert keys - prune == stock_keys
+        assert prune == work | ({"prune/branches_backpropagated"} if setting == "branch" else set())
+    if setting == "common_prefix":
+        # The margins and accuracies are exact (the prefix cancels); the per-branch sums and token means cover the
+        # response after the prefix, under names that say so.
+        assert keys - prune == stock_keys - set(PARTIAL)
+        assert prune == work | {"prune/positions_scored"} | {f"prune/{k}_after_common_prefix" for k in PARTIAL}
+    if setting == "position":
+        assert keys - prune == stock_keys - {"rewards/accuracies"}
+        assert prune == work | {"prune/positions_scored", "prune/rewards/accuracies_of_estimate"}
+    if setting == "position_auto":
+        # Auto's first steps keep every position (its warm-up starts with exact blocks): the margins are exact at
+        # those steps, so the accuracies keep stock's name; its diagnostics are not logged at "info".
+        assert plugin.last_micro_step.options["position_keep_prob"] == 1.0 and keys - prune == stock_keys
+        assert prune == work | {"prune/positions_scored"}
+    if setting == "debug":
+        assert {"prune/positions_scored", "prune/branches_backpropagated", "prune/pairs_shared",
+                "prune/branch_keep_prob"} <= prune and "prune/position_keep_prob" not in prune
+        # B_simple is logged only once auto has decided (here: never, in two steps).
+        assert "prune/auto_b_simple" not in prune and "prune/auto_b_simple" in documented_keys()

@@ -1,6 +1,8 @@
-"""CI smoke test of the quality study (evaluation/): the quick mode at its smallest sizes, every stage, end to end.
+"""CI smoke tests of the studies (evaluation/): every command docs/quality.md gives, at its smallest sizes, end to end,
+with every setting its tables name (the main study trains its prototype laws and diagnoses every setting; the
+regimes study runs every setting of its tables and of the `auto` rows; the three `auto` tools run).
 
-It checks that the documented command runs and that what it writes is well formed. It asserts nothing about which
+They check that the documented commands run and that what they write is well formed. They assert nothing about which
 setting wins: at these sizes the numbers are noise.
 """
 
@@ -27,8 +29,11 @@ def test_quality_quick_smoke(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     # Training runs: one JSON per setting and seed, each with an exact evaluation curve.
+    from evaluation.quality import SMOKE
+    from evaluation.settings import DIAGNOSED, EXACT_BASELINES, FAR_DIAGNOSED, SETTINGS
+
     runs = sorted((out / "runs").glob("*.json"))
-    assert {p.stem for p in runs} == {"stock-s0", "stock-s1", "branch_cp-s0", "branch_cp-s1"}
+    assert {p.stem for p in runs} == {f"{name}-s{seed}" for name in SMOKE.settings for seed in (0, 1)}
     digests = {}
     for path in runs:
         record = json.loads(path.read_text())
@@ -42,24 +47,26 @@ def test_quality_quick_smoke(tmp_path):
 
     # Timing and gradient diagnostics.
     timing = json.loads((out / "timing.json").read_text())["timing"]
-    assert timing["stock"]["ratio"] == 1.0 and timing["branch_cp"]["step_s"] > 0
-    for state in ("start", "trained", "far"):
+    assert set(timing) == set(SMOKE.settings) | set(EXACT_BASELINES)
+    assert timing["stock"]["ratio"] == 1.0 and all(t["step_s"] > 0 for t in timing.values())
+    for state, names in (("start", DIAGNOSED), ("trained", DIAGNOSED), ("far", FAR_DIAGNOSED)):
         grads = json.loads((out / f"gradients-{state}.json").read_text())["diagnostics"]
         assert grads["_meta"]["sgd_noise"] > 0
-        for name in ("branch_cp", "position_cp"):
+        for name in names:
             entry = grads[name]
-            assert -1.0 <= entry["cos"] <= 1.0 and entry["rel_mse"] >= 0.0 and entry["cost"] > 0.0
+            assert -1.0 <= entry["cos"] <= 1.0 and entry["rel_mse"] >= 0.0 and entry["cost"] > 0.0, (state, name)
 
     # The report: markdown with the headline table and the plots it links, all real PNGs.
     text = (docs / "quality.md").read_text()
-    assert "## Headline" in text and "| stock TRL DPOTrainer |" in text and "| branch 0.5 + common prefix |" in text
+    assert text.count("<!-- study:start -->") == 1 and "## The main study" in text
+    assert all(f"| {SETTINGS[name].label} |" in text for name in SMOKE.settings)
     assert "python -m evaluation.quality --quick" in text
     for name in ("steps", "time", "margin_gen", "gradients"):
         png = docs / "img" / f"quality_{name}.png"
         assert f"img/quality_{name}.png" in text
         assert png.read_bytes()[:8] == PNG_MAGIC
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) >= {"stock", "branch_cp"}
+    assert set(summary) >= set(SMOKE.settings)
 
 
 def test_pair_shared_masks_keep_the_trainer_marginals():
@@ -99,18 +106,30 @@ def test_pair_shared_masks_keep_the_trainer_marginals():
     assert float(mean[~response].abs().max()) == 0.0
 
 
-def test_regimes_quick_smoke(tmp_path):
+# Every setting of the regimes tables and of the `auto` rows (docs/quality.md), and every regime. All stages (runs,
+# gradients, timing, report) for the first two; training runs (what the tables read) for the rest.
+REGIMES_SETTINGS = ["stock", "auto_cp"]
+REGIMES_TRAINED = ["common_prefix", "branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_share_cp",
+                   "auto_cp_acc2"]
+
+
+def test_regimes_quick_smoke(tmp_path, capsys):
     """The regimes study (evaluation/regimes.py) at tiny sizes: runs, noise diagnostics, step timing and the report
-    section."""
+    section; the training runs of every other setting; `auto_rows` on its folder; a run in each other regime."""
+    from evaluation import auto_rows
+    from evaluation.regimes import REGIME_NAMES
+
     out = tmp_path / "regimes"
     env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run(
-        [sys.executable, "-m", "evaluation.regimes", "--quick", "--steps", "2", "--seeds", "0", "--batches", "8",
-         "--regimes", "dissimilar", "--settings", "stock", "auto_cp", "--out", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    def regimes(*argv):
+        result = subprocess.run(
+            [sys.executable, "-m", "evaluation.regimes", "--quick", "--seeds", "0", "--batches", "8", "--out", str(out),
+             *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    regimes("--steps", "2", "--regimes", "dissimilar", "--settings", *REGIMES_SETTINGS)
     runs = {p.stem: json.loads(p.read_text()) for p in (out / "dissimilar-b8" / "runs").glob("*.json")}
     assert set(runs) == {"stock-s0", "auto_cp-s0"}
     assert runs["stock-s0"]["data_digest"] == runs["auto_cp-s0"]["data_digest"]
@@ -125,6 +144,37 @@ def test_regimes_quick_smoke(tmp_path):
     auto_row = next(line for line in report.splitlines() if line.startswith("| dissimilar | 8 | auto"))
     assert "nan" not in auto_row  # the equal-seconds reading comes from the round-robin timing
 
+    regimes("--stage", "train", "--steps", "2", "--regimes", "dissimilar", "--settings", *REGIMES_TRAINED)
+    runs = {p.stem: json.loads(p.read_text()) for p in (out / "dissimilar-b8" / "runs").glob("*.json")}
+    assert set(runs) == {f"{name}-s0" for name in REGIMES_SETTINGS + REGIMES_TRAINED}
+    # the same pairs in the same order (two micro-batches per step hash each half: a digest of its own)
+    assert len({run["data_digest"] for name, run in runs.items() if name != "auto_cp_acc2-s0"}) == 1
+
+    # `auto_rows` reads the auto and branch runs against the exact one, seed by seed.
+    capsys.readouterr()
+    auto_rows.main([str(out), "dissimilar-b8"])
+    printed = capsys.readouterr().out
+    assert all(f"  {name:12s} seeds [0]" in printed for name in ("auto_cp", "auto_cp_acc2", "branch_cp")), printed
+
+    others = [r for r in REGIME_NAMES if r != "dissimilar"]
+    regimes("--stage", "train", "--steps", "1", "--regimes", *others, "--settings", "stock")
+    assert all((out / f"{regime}-b8" / "runs" / "stock-s0.json").is_file() for regime in others)
+
+
+def test_auto_tools_smoke(tmp_path, monkeypatch, capsys):
+    """`evaluation.auto_overhead` (auto against the exact path, alternating) and `evaluation.auto_trace` (auto's
+    choices over a run) at a few steps of the random-init tiny model."""
+    from evaluation import auto_overhead, auto_trace
+
+    monkeypatch.setenv("TRL_PRUNED_DPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    auto_overhead.main(["--model", "builtin:tiny-demo", "--rounds", "1", "--steps", "4", "--batch", "4"])
+    assert "auto on / off, median step CPU time per round" in capsys.readouterr().out
+    trace = tmp_path / "trace.json"
+    auto_trace.main(["--model", "builtin:tiny-demo", "--steps", "3", "--batch", "2", "--accumulation", "2",
+                     "--out", str(trace)])
+    record = json.loads(trace.read_text())
+    assert record["steps"] == 3 and record["pairs_per_step"] == 4 and isinstance(record["history"], list)
 
 def _prototype_settings() -> list[str]:
     from evaluation.settings import SETTINGS

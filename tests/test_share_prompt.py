@@ -136,7 +136,8 @@ def test_gradient_accumulation_history_equals_stock(tokenizer, tmp_path):
     data = Dataset.from_list(edge_rows())
     kw = {"max_steps": 2, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}
     stock = build_trainer(DPOTrainer, DPOConfig, tokenizer, data, tmp_path / "s", **kw)
-    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p", **SHARED, **kw)
+    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "p", **SHARED, **kw,
+                           prune_log_level="debug")
     for _, hp in train_and_compare_histories(stock, shared):
         assert hp["prune/pairs_shared"] == 1.0
 

@@ -153,14 +153,18 @@ class AutoKeepProbs(TrainerCallback):
         return options
 
     def run_means(self, options: dict, pairs: int) -> list[tuple[str, float, float]]:
-        """(name, total, count) of what this draw used: the run's means, reduced over ranks at the logging step
-        (metrics.py)."""
-        kept = options["branch_keep_prob"]
-        kept_total = float(kept.sum() if torch.is_tensor(kept) else kept * pairs)
-        b_simple = float(min(self.history[-1]["b_simple"] if self.history else 1e9, 1e9))
-        return [("prune/branch_keep_prob", kept_total, float(pairs)),
-                ("prune/position_keep_prob", float(options["position_keep_prob"]), 1.0),
-                ("prune/auto_b_simple", b_simple, 1.0)]
+        """(name, total, count) of what this draw used, for each "auto" keep probability, and B_simple at the last
+        decision (once there is one): the run's means, reduced over ranks at the logging step (metrics.py)."""
+        means = []
+        if self.args.branch_keep_prob == "auto":
+            kept = options["branch_keep_prob"]
+            means.append(("prune/branch_keep_prob", float(kept.sum() if torch.is_tensor(kept) else kept * pairs),
+                          float(pairs)))
+        if self.args.position_keep_prob == "auto":
+            means.append(("prune/position_keep_prob", float(options["position_keep_prob"]), 1.0))
+        if self.history:
+            means.append(("prune/auto_b_simple", float(min(self.history[-1]["b_simple"], 1e9)), 1.0))
+        return means
 
     # ------------------------------------------------------------------------------------------- the measurement
     def on_train_begin(self, args, state, control, **kwargs):

@@ -26,6 +26,8 @@ PAIR_DIFFERENCE_LOSSES = frozenset({"sigmoid", "hinge", "robust", "exo_pair", "d
 # The keep probabilities the trainer may choose itself (trl_pruned_dpo/auto.py), and the values it chooses among.
 AUTO = "auto"
 AUTO_FIELDS = ("position_keep_prob", "branch_keep_prob")
+# `prune_log_level`: which of the plugin's metrics are logged (docs/metrics.md).
+PRUNE_LOG_LEVELS = ("info", "debug")
 BRANCH_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 POSITION_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 
@@ -74,7 +76,8 @@ class PrunedDPOConfig(DPOConfig):
             steps, with probe steps at 1/2; first decision by step 8), and picks the probabilities that minimise the
             expected time to a given loss among those predicted to cost at most 5% more steps at 90% upper bounds
             of the measured noise (trl_pruned_dpo/auto.py); where none saves 5%, it keeps everything. Near-copy pairs
-            always keep both branches. Logged as `prune/branch_keep_prob` and `prune/position_keep_prob`.
+            always keep both branches. What it chose is in the run's summary; each step's value is logged as
+            `prune/branch_keep_prob` and `prune/position_keep_prob` with `prune_log_level="debug"`.
         branch_sampling (`str`, *optional*, defaults to `"paired"`):
             `"paired"`: the two branches of a pair are drawn together (at 0.5, exactly one per pair; fixed cost).
             `"independent"`: each branch is drawn on its own (the cost varies per step). On near-copy pairs
@@ -123,6 +126,11 @@ class PrunedDPOConfig(DPOConfig):
             Also stop when a step's |loss| or gradient norm is this many times the median of the steps before it. Off
             by default: a saturating DPO loss (median |loss| ~1e-4) meets one ordinary hard batch (loss ~0.7) as a
             7000x "explosion", so any finite threshold can stop a healthy run. Needs the guard on.
+        prune_log_level (`str`, *optional*, defaults to `"info"`):
+            Which of the plugin's own metrics are logged: `"info"`, stock's metrics (under stock's names where the
+            value is stock's or unbiased for it) and the `prune/` keys that say what the run did; `"debug"`, also
+            the diagnostics (`auto`'s noise scale, the cost model's choice, fractions that are 1 under the run's
+            settings). Every key: docs/metrics.md.
     """
 
     position_keep_prob: keep_prob_or_auto = field(
@@ -207,6 +215,13 @@ class PrunedDPOConfig(DPOConfig):
                   "false 'explosion')."},
     )
 
+    # Logging (docs/metrics.md)
+    prune_log_level: str = field(
+        default="info",
+        metadata={"help": "Which prune/* metrics are logged: 'info' (what the run did) or 'debug' (also auto's and the "
+                  "cost model's diagnostics). Every key: docs/metrics.md.", "choices": list(PRUNE_LOG_LEVELS)},
+    )
+
     @property
     def pruning_enabled(self) -> bool:
         """Whether any estimator differs from the exact computation."""
@@ -237,6 +252,8 @@ class PrunedDPOConfig(DPOConfig):
         self._validate_prune_seed()
         if self.divergence_factor is not None and not self.divergence_factor > 1:
             raise ValueError(f"`divergence_factor` must be above 1 (or unset), got {self.divergence_factor}.")
+        if self.prune_log_level not in PRUNE_LOG_LEVELS:
+            raise ValueError(f"`prune_log_level` must be one of {list(PRUNE_LOG_LEVELS)}, got {self.prune_log_level!r}.")
         if self.prune_seed is None:
             self.prune_seed = self.seed
 

@@ -42,8 +42,8 @@ class ForwardChoice:
     packed: bool = False
     share_prompt: bool = False
     why: str | None = None
-    models: tuple = ()
-    unproven: tuple = ()
+    models: tuple = dataclasses.field(default=(), repr=False)
+    unproven: tuple = dataclasses.field(default=(), repr=False)
 
     def layout(self, inputs: dict) -> tuple[bool, bool]:
         """(packed, share) for this batch: a batch with per-token inputs other than token ids runs padded."""

@@ -1,10 +1,12 @@
 """The `prune/*` metrics, and TRL's stock-named metrics re-estimated or renamed where pruning changes what they mean.
 
-Stock-named metrics stay only where their expectation over the masks is stock's value: the per-branch sums (logps,
-rewards, margins) and the per-token means (entropy, logits, token accuracy) are Horvitz-Thompson sums over exact counts
-(docs/method.md, Eqs. 1-2). The others move to `prune/` names that say what they are (docs/parity.md). The MoE router
-loss keeps its stock name, `aux_loss`: it is the aux loss this run adds to its loss (the grad rows' own), as `loss` is
-the loss at the estimate.
+Stock-named metrics stay only where their value is stock's or their expectation over the masks is: the per-branch sums
+(logps, rewards, margins) and the per-token means (entropy, logits, token accuracy) are Horvitz-Thompson sums over
+exact counts (docs/method.md, Eqs. 1-2). The others are logged once, under `prune/` names that say what they are. The
+MoE router loss keeps its stock name, `aux_loss`: it is the aux loss this run adds to its loss (the grad rows' own),
+as `loss` is the loss at the estimate. The plugin's diagnostics (`DEBUG_KEYS`, and fractions that are 1 under the
+run's settings) are logged only with `prune_log_level="debug"`. Every key, and why it is exact or an estimate:
+docs/metrics.md.
 
 A micro-step's record (`MicroStepRecord`: its masks, counts, auxiliary loss and run means) is handed in by the trainer;
 nothing here reads the trainer. No device->host read per micro-step: each micro-step's counts stay on the device, and
@@ -23,9 +25,13 @@ from .method.masks import PruneMasks
 
 _COUNTS = ("positions_scored", "response_positions", "policy_tokens_executed", "grad_tokens_executed", "full_tokens",
            "grad_rows", "rows")
-# Index of each value in a micro-step's counts vector
+# Diagnostics, logged only with `prune_log_level="debug"`: auto's internals (the keep probabilities it drew with, whose
+# effect the work fractions show at "info", and its noise scale) and the cost model's choice.
+DEBUG_KEYS = frozenset({"prune/branch_keep_prob", "prune/position_keep_prob", "prune/auto_b_simple",
+                        "prune/pairs_shared"})
+# Index of each value in a micro-step's counts vector; the second line's only with `prune_common_prefix`.
 SCORED, RESPONSE, EXECUTED, GRAD_TOKENS, FULL, GRAD_ROWS, ROWS, TOP1, CHOSEN = range(9)
-ENTROPY, EXACT, LOGITS_W, COUNT_W, LOGITS_L, COUNT_L = range(9, 15)  # with `prune_common_prefix` only
+ENTROPY, EXACT, LOGITS_W, COUNT_W, LOGITS_L, COUNT_L = range(9, 15)
 
 
 class Pending:
@@ -38,6 +44,26 @@ class Pending:
 
     def __repr__(self):
         return f"Pending(row={self.row})"
+
+
+def _samples(keep_prob) -> bool:
+    """Whether a keep probability can drop something (below 1, or "auto")."""
+    return keep_prob == AUTO or keep_prob < 1
+
+
+def _work_fractions(args) -> list[tuple[str, object]]:
+    """The work fractions logged under `args`, as (key, formula of the counts): the executed and backpropagated
+    tokens always; the scored positions and the backpropagated branches where they can be below 1 (at "debug":
+    always)."""
+    debug = args.prune_log_level == "debug"
+    positions = (debug or _samples(args.position_keep_prob) or args.prefix_prune_prob > 0
+                 or args.prune_common_prefix)
+    fractions = [("prune/positions_scored", _ratio(SCORED, RESPONSE))] if positions else []
+    fractions += [("prune/tokens_executed", _ratio(EXECUTED, FULL)),
+                  ("prune/tokens_backpropagated", _ratio(GRAD_TOKENS, FULL))]
+    if debug or _samples(args.branch_keep_prob):
+        fractions.append(("prune/branches_backpropagated", _ratio(GRAD_ROWS, ROWS)))
+    return fractions
 
 
 def _ratio(num: int, den: int, floor: float = 1.0):
@@ -110,9 +136,10 @@ def log_pruned_metrics(record: MicroStepRecord, per_token: dict, args, trl_metri
     chosen_weights = masks.weights.chunk(2)[0]
     chosen_top1 = per_token["is_top1"].chunk(2)[0].float()
     device = masks.weights.device
-    means = list(record.run_means)
+    debug = args.prune_log_level == "debug"
+    means = [mean for mean in record.run_means if debug or mean[0] not in DEBUG_KEYS]
     # Which execution the cost model picked (docs/method.md): host counts.
-    if record.share_prompt:
+    if record.share_prompt and debug:
         shared, split = stats.get("shared_pairs", 0), stats.get("split_pairs", 0)
         means.append(("prune/pairs_shared", float(shared), float(shared + split)))
     host = torch.tensor([stats[name] for name in _COUNTS] + [0.0, stats["chosen_response_positions"]]
@@ -135,22 +162,22 @@ def log_pruned_metrics(record: MicroStepRecord, per_token: dict, args, trl_metri
     # TRL counted only scored positions as correct; use the HT estimate.
     if metrics["mean_token_accuracy"]:
         metrics["mean_token_accuracy"][-1] = Pending(row, _ratio_or_zero(TOP1, CHOSEN))
-    metrics["prune/positions_scored"].append(Pending(row, _ratio(SCORED, RESPONSE)))
-    metrics["prune/tokens_executed"].append(Pending(row, _ratio(EXECUTED, FULL)))
-    metrics["prune/tokens_backpropagated"].append(Pending(row, _ratio(GRAD_TOKENS, FULL)))
-    metrics["prune/branches_backpropagated"].append(Pending(row, _ratio(GRAD_ROWS, ROWS)))
+    for name, formula in _work_fractions(args):
+        metrics[name].append(Pending(row, formula))
     for i, (name, _, _) in enumerate(means):
         metrics[name].append(Pending(row, _ratio_or_zero(first + 2 * i, first + 2 * i + 1)))
-    relabel_stock_metrics(metrics, args, row)
+    relabel_stock_metrics(metrics, args, row, record.options["position_keep_prob"])
     if not pending.deferred:
         pending.flush(metrics)
 
 
-def relabel_stock_metrics(metrics: dict, args, row: int) -> None:
+def relabel_stock_metrics(metrics: dict, args, row: int, position_keep_prob: float) -> None:
     """Move this step's stock-named metrics that do not estimate what stock logs to names that say what they are.
 
-    Moved, because no unbiased value exists (docs/parity.md):
-    - `rewards/accuracies` under random position/prefix pruning: a step function of the noisy margin;
+    Moved, because no unbiased value exists (docs/metrics.md):
+    - `rewards/accuracies` where this step's margins are random (positions sampled at `position_keep_prob` < 1, the
+      step's own with "auto", or prefixes cut): a step function of the noisy margin. Where they are exact, it is
+      stock's value and keeps its name;
     - under `prune_common_prefix`, every per-branch and per-token metric: the common prefix is never scored, so they
       cover the response after it (token means re-estimated over those positions).
     """
@@ -162,7 +189,7 @@ def relabel_stock_metrics(metrics: dict, args, row: int) -> None:
             del metrics[name]
         metrics[new or f"prune/{name}"].append(old if value is None else value)
 
-    if args.position_keep_prob == AUTO or args.position_keep_prob < 1 or args.prefix_prune_prob > 0:
+    if position_keep_prob < 1 or args.prefix_prune_prob > 0:
         move("rewards/accuracies", new="prune/rewards/accuracies_of_estimate")
     if args.prune_common_prefix:
         suffix = "_after_common_prefix"

@@ -12,6 +12,9 @@ the warnings ones apply only around the plugin's own calls, never to the user's 
 - TRL 1.16 logs that `padding_free=True` "is temporarily unavailable ... falling back to standard padding" when its
   `DPOTrainer.__init__` sees the field; the plugin's packed forward honours it (or says in its own line why a model
   falls back), so `trl_padding_free_notice_hidden` hides that one message while the constructor runs.
+- Building a built-in model or exporting a built-in dataset (demo/) would draw transformers' "Writing model shards"
+  and datasets' "Creating json from Arrow format" bars, which stock `trl dpo` never shows; `progress_bars_hidden()`
+  turns both libraries' bars off inside that block only (the build prints its own one line instead).
 
 What stays is listed in docs/cli.md ("Messages from the libraries").
 """
@@ -60,3 +63,22 @@ def trl_padding_free_notice_hidden(active: bool):
         yield
     finally:
         logger.removeFilter(_not_the_padding_free_notice)
+
+
+@contextlib.contextmanager
+def progress_bars_hidden():
+    """Turn transformers' and datasets' progress bars off inside this block, as they were after it."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_on = transformers_logging.is_progress_bar_enabled()
+    datasets_on = not datasets.are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if transformers_on:
+            transformers_logging.enable_progress_bar()
+        if datasets_on:
+            datasets.enable_progress_bars()

@@ -10,7 +10,8 @@ The swap has to happen at interpreter start-up in each of those processes, so it
 site-packages, written on request by `python -m trl_pruned_dpo.trl_hook install` (and removed by `uninstall`).
 Its one line costs an environment lookup at every Python start-up and does nothing else unless `TRL_PRUNED_DPO=1`;
 with it, it imports `trl_pruned_dpo` (hence TRL, transformers and torch, which a `trl dpo` process imports anyway)
-and calls `install()` (trl_hook_startup.py). Limits are listed in docs/cli.md.
+and calls `install()` (trl_hook_startup.py), which also lets the script take `builtin:` model and dataset names.
+Limits are listed in docs/cli.md.
 """
 
 import argparse

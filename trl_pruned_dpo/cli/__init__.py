@@ -25,7 +25,7 @@ from pathlib import Path
 _PROGRAM_STARTED = time.perf_counter()  # this module loads first (the package imports lazily): the program's start
 
 from ..errors import PROG, RUN_ERRORS, InputError, exit_code  # noqa: E402 - after the start time
-from ..safety.checkpoints import disk_full_as_error  # noqa: E402
+from ..safety.checkpoints import disk_full_as_error, give_default_modes  # noqa: E402
 from ..safety.output_dir import is_main_process, output_lock, preflight  # noqa: E402
 from ..safety.signals import launcher_stop_code, remember_command, stop_on_signals  # noqa: E402
 from .data import apply_thread_count, check_splits, go_offline, hub_unreachable, is_hub_id, load_data  # noqa: E402
@@ -146,6 +146,7 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
         if not stop.signal_number:  # a stopped run leaves its checkpoint, not a final model that looks finished
             with disk_full_as_error("the final model", training_args.output_dir):
                 trainer.save_model(training_args.output_dir)
+                give_default_modes(training_args.output_dir)
     trainer.accelerator.print(summarize(trainer, model_args.model_name_or_path, model_path,
                                         time.perf_counter() - started))
     if training_args.push_to_hub and not stop.signal_number:

@@ -19,6 +19,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ..errors import PROG, InputError
+from ..safety.checkpoints import give_default_modes
 from .data import apply_thread_count, check_splits, go_offline, load_data, resolve_model
 
 
@@ -153,6 +154,7 @@ def compare(script_args, training_args, model_args, dataset_args) -> int:
                                 get_peft_config(model_args))  # `use_peft`: the same LoRA for both
             rows.append(row)
     trainer.save_model(str(output))  # the pruned model, where a plain run of the same config saves it
+    give_default_modes(output)
     (output / "compare.json").write_text(json.dumps(rows, indent=1))
     drawn = plot(rows, output / "compare.png")
     print(f"\n{PROG} --compare (model {model_args.model_name_or_path}, data {name})\n{format_rows(rows)}")

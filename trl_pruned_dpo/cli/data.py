@@ -8,6 +8,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import InputError
+from ..notices import progress_bars_hidden
 
 def hub_unreachable() -> str | None:
     """Why the Hub cannot be used now (offline mode, no route), or None. A 3 s probe, instead of the ~25 s of
@@ -57,7 +58,8 @@ def resolve_model(name: str | None, revision: str | None = None) -> str:
         raise InputError("no model given: set `model_name_or_path` (a local folder, a hub id, or builtin:tiny-demo).")
     if is_builtin(name):
         try:
-            return resolve_builtin(name)
+            with progress_bars_hidden():  # building it once prints its own line; stock `trl dpo` shows no such bars
+                return resolve_builtin(name)
         except ValueError as error:
             raise InputError(str(error)) from None
     if Path(name).expanduser().is_dir():

@@ -6,10 +6,11 @@ type, an invalid value or an output folder that cannot be written is one line, b
 """
 
 import os
+import sys
 from pathlib import Path
 
 from ..errors import PROG, InputError
-from ..safety.output_dir import check_writable
+from ..safety.output_dir import check_writable, is_main_process
 
 LAUNCHED_ENV = "TRL_PRUNED_DPO_LAUNCHED"  # set by the launching process: its children train instead of relaunching
 
@@ -113,6 +114,7 @@ def parse(argv: list[str]):
     parser = make_parser()
     parser.error = _raise_usage_error  # one line instead of ~165 lines of usage
     try:
+        argv = save_steps_switch_strategy(argv)
         check_yaml_value_types(parser, argv)
         *parsed, config_remaining, cli_remaining = parser.parse_args_and_config(
             argv, return_remaining_strings=True, separate_remaining_strings=True
@@ -151,6 +153,43 @@ def parse(argv: list[str]):
     if parsed[1] is not None:
         check_writable(parsed[1].output_dir)  # before the output folder is created or anything loaded
     return (*parsed, launch_args, cli_remaining)
+
+
+def _flag(argv: list[str], key: str) -> str | None:
+    """The value of command-line flag `--key` (`--key V`, `--key=V`, or the hyphenated spelling), or None."""
+    names = {f"--{key}", f"--{key.replace('_', '-')}"}
+    for index, token in enumerate(argv):
+        name, _, value = token.partition("=")
+        if name in names:
+            return value if value else (argv[index + 1] if index + 1 < len(argv) else "")
+    return None
+
+
+def save_steps_switch_strategy(argv: list[str]) -> list[str]:
+    """`argv`, with `--save_strategy steps` added where the command line gives `save_steps` and the config file sets
+    `save_strategy: "no"` (the demo configs do): the flag is the newer intent, so it saves, and a note says so. A
+    `save_steps` that `save_strategy: no` would ignore from the same source (both flags, or both YAML keys) is an
+    error: TRL would save nothing and say nothing."""
+    import yaml
+
+    config = {}
+    if "--config" in argv:
+        loaded = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        config = loaded if isinstance(loaded, dict) else {}
+    flag_steps, flag_strategy = _flag(argv, "save_steps"), _flag(argv, "save_strategy")
+    yaml_steps, yaml_strategy = config.get("save_steps"), config.get("save_strategy")
+    strategy = flag_strategy if flag_strategy is not None else yaml_strategy
+    steps = flag_steps if flag_steps is not None else yaml_steps
+    if steps is None or str(strategy).lower() != "no":
+        return argv
+    if flag_strategy is not None or flag_steps is None:
+        where = "--save_strategy no" if flag_strategy is not None else "the config file's save_strategy: \"no\""
+        raise InputError(f"save_steps {steps} has no effect with {where}: nothing would be saved before the end. "
+                         "Set save_strategy to steps, or drop save_steps.")
+    if is_main_process() and os.environ.get(LAUNCHED_ENV) != "1":  # once, not again in each launched process
+        print(f"{PROG}: --save_steps {steps}: save_strategy set to \"steps\" (the config file said \"no\"); a "
+              f"checkpoint every {steps} steps.", file=sys.stderr, flush=True)
+    return [*argv, "--save_strategy", "steps"]
 
 
 def _raise_usage_error(message: str):

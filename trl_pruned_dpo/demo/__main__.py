@@ -9,16 +9,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .model import builtin_model_names, cache_dir, resolve_model
-from .tasks import builtin_names, load_builtin
-
-
-def export_dataset(name: str, folder: Path) -> Path:
-    """Write the splits of built-in dataset `name` as `<folder>/<split>.jsonl`; returns `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, data in load_builtin(name).items():
-        data.to_json(folder / f"{split}.jsonl", lines=True)
-    return folder
+from .export import export_builtin
+from .model import builtin_model_names, resolve_model
+from .tasks import builtin_names
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -32,16 +25,15 @@ def make_parser() -> argparse.ArgumentParser:
                         help=f"built-in dataset to export as train.jsonl and test.jsonl (default: %(default)s, the "
                              f"demo's; one of {', '.join(builtin_names())})")
     parser.add_argument("--out", type=Path, default=None,
-                        help="dataset folder (default: <demo cache>/datasets/<task>; the model always goes to the "
-                             "demo cache, $TRL_PRUNED_DPO_CACHE or ~/.cache/trl_pruned_dpo)")
+                        help="dataset folder (default: <demo cache>/datasets/<task>-seed0-<hash of the content>; the "
+                             "model always goes to the demo cache, $TRL_PRUNED_DPO_CACHE or ~/.cache/trl_pruned_dpo)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     model = resolve_model(args.model)
-    task = args.dataset.split(":", 1)[-1]
-    data = export_dataset(args.dataset, args.out or cache_dir() / "datasets" / task)
+    data = export_builtin(args.dataset, args.out)
     print(f"model_name_or_path: {model}\ndataset_name: {data}")
     return 0
 

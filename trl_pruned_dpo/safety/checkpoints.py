@@ -72,10 +72,33 @@ def _fsync(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
+def default_mode(directory: bool = False) -> int:
+    """The mode a plain `open()` (or `mkdir()`) gives a new file (folder) under this process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
+def give_default_modes(folder: str | os.PathLike) -> None:
+    """Give the files and folders that an atomic writer left private (0600 / 0700) the mode of their siblings.
+
+    safetensors >= 0.8 writes each weights file through a temporary file, which is created 0600 and renamed into place
+    (safetensors issue 782), so `model.safetensors` came out `-rw-------` beside a `-rw-r--r--` config.json; stock
+    `trl dpo` does the same. Only modes exactly 0600 / 0700 change, so a mode set on purpose otherwise is kept.
+    """
+    folder = Path(folder)
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_dir() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o700:
+            path.chmod(default_mode(directory=True))
+        elif path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600:
+            path.chmod(default_mode())
+
+
 def write_json_atomic(path: Path, content: dict) -> None:
     """Write `content` to `path` so that a reader sees either nothing or all of it (write, fsync, rename). The
     temporary file's name is unique, so writers on several nodes sharing a filesystem never write the same file."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.chmod(temporary, default_mode())  # mkstemp creates it 0600; the marker is as readable as the checkpoint
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(json.dumps(content, indent=1, sort_keys=True))
@@ -91,6 +114,7 @@ def write_json_atomic(path: Path, content: dict) -> None:
 def mark_complete(folder: str | os.PathLike, args, step: int) -> None:
     """Write the completion marker of `folder`: every file flushed to disk first, then the manifest, atomically."""
     folder = Path(folder)
+    give_default_modes(folder)
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and _is_content(p)):
         _fsync(path)
