@@ -311,3 +311,21 @@ def test_the_ranked_real_text_task():
             assert len(os.path.commonprefix(answers[:3])) >= 20  # near-copies: the opening sentence kept
     train_prompts = {str(p) for p in splits["train"]["prompt"]}
     assert not train_prompts & {str(p) for p in splits["test"]["prompt"]}
+
+
+def test_the_benchmarks_run(tmp_path):
+    """Smoke: the prompt-group step-time harness (k = 3, both pairings, tiny lengths, one round) and the host-plan
+    harness write their tables; prompt groups run the arithmetic's tokens and stock's first loss."""
+    import json
+
+    from benchmarks import host_plan, prompt_groups
+
+    prompt_groups.main(["--k", "3", "--scale", "0.0625", "--rounds", "1", "--warmup", "0", "--batches", "1",
+                        "--pairs", "2", "--out", str(tmp_path / "pg")])
+    rows = json.loads((tmp_path / "pg" / "prompt_groups.json").read_text())["rows"]
+    assert [(r["k"], r["pairing"]) for r in rows] == [(3, "best"), (3, "all")]
+    for r in rows:
+        assert 0.9 <= r["groups_over_arithmetic"] <= 1.0 and r["groups_tokens"] < r["pairs_tokens"]
+        assert abs(r["groups_first_loss"] - r["stock_first_loss"]) < 1e-4
+    host_plan.main(["--repeats", "1", "--out", str(tmp_path / "hp")])
+    assert len(json.loads((tmp_path / "hp" / "host_plan.json").read_text())["rows"]) == 6
