@@ -269,6 +269,9 @@ def test_resume_with_other_pruning_settings_is_refused_unless_overridden(tokeniz
                                           r"--allow_pruning_change_on_resume true"):
         changed.train(resume_from_checkpoint=True)
     assert changed.state.global_step == 0
+    regrouped = trainer_for(tokenizer, data, tmp_path, max_steps=3, group_by_prompt=True)  # another data order
+    with pytest.raises(ResumeError, match=r"group_by_prompt False -> True"):
+        regrouped.train(resume_from_checkpoint=True)
     allowed = trainer_for(tokenizer, data, tmp_path, max_steps=3, prune_seed=7, allow_pruning_change_on_resume=True)
     allowed.train(resume_from_checkpoint=True)
     assert allowed.state.global_step == 3

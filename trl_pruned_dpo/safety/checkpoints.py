@@ -37,10 +37,11 @@ RUN_STATE = "pruned_dpo_run_state.json"  # per process: logging window and worst
 MARKER_VERSION = 1
 SAVING = "pruned_dpo_saving"  # written before a checkpoint's first file, removed once its marker is in place
 
-# The fields that decide which masks are drawn (docs/method.md); compared on resume.
+# The fields that decide which masks are drawn (docs/method.md) and which pairs share a batch (`group_by_prompt`);
+# compared on resume.
 PRUNING_FIELDS = (
     "position_keep_prob", "prefix_prune_prob", "prefix_min_ratio", "branch_keep_prob", "branch_sampling",
-    "prune_reference", "prune_common_prefix", "prune_seed",
+    "prune_reference", "prune_common_prefix", "prune_seed", "group_by_prompt",
 )
 OVERRIDE_FLAG = "allow_pruning_change_on_resume"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
