@@ -52,7 +52,7 @@ MODELS = {
                                                                       "learning_rate": 1e-3, "warmup": 1}),
 }
 TASKS = {"python-docs": "builtin:python-docs", "python-docstrings": "builtin:python-docstrings"}
-PLANS = {"study": RunPlan(steps=20, evals=(10, 20), eval_pairs=224, curve_pairs=96),
+PLANS = {"study": RunPlan(steps=20, evals=(10, 20), eval_pairs=224, curve_pairs=64),
          "smoke": RunPlan(steps=2, evals=(1, 2), eval_pairs=4, curve_pairs=2, eval_batch=4)}
 STORE = store.REPO / "evaluation" / "results" / "real_models.jsonl"
 WORK = store.REPO / "runs" / "real_models"  # warm starts; git-ignored

@@ -105,8 +105,9 @@ def table(model: str, task: str, runs: dict) -> str:
              f"{curve_pairs} of them at steps {', '.join(str(p['step']) for p in any_row['curve'][1:])}; equal CPU "
              f"time = {budget:.0f} s of training CPU (the fastest setting's median for those steps). Median over "
              "seeds [min, max].", "",
-             "| setting | seeds | accuracy, equal steps | margin, equal steps | accuracy, equal CPU time | "
-             "CPU s to stock's final accuracy | CPU s / step | speed-up vs stock / vs exact | policy tokens / step |",
+             f"| setting | seeds | accuracy, equal steps ({any_row['eval_pairs']} pairs) | margin, equal steps | "
+             f"accuracy, equal CPU time ({curve_pairs} pairs) | CPU s to stock's final accuracy ({curve_pairs} pairs) "
+             "| CPU s / step | speed-up vs stock / vs exact | policy tokens / step |",
              "|---|---|---|---|---|---|---|---|---|"]
     for setting, row in rows.items():
         step = statistics.median(row["step_cpu"])
@@ -169,7 +170,7 @@ def plot(groups: dict, path: Path) -> bool:
             axis.axhline(0.5, color="grey", ls="--", lw=1)
             axis.set(xlabel=label, title=f"{model} x {task}")
             axis.grid(alpha=0.3)
-        axes[row][0].set_ylabel("held-out reward accuracy\n(median over seeds, band: min-max)")
+        axes[row][0].set_ylabel("held-out reward accuracy, the curve's pairs\n(median over seeds, band: min-max)")
     axes[0][1].legend(fontsize=7, loc="lower right")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

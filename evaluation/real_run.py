@@ -56,7 +56,7 @@ class RunPlan:
     steps: int = 20
     evals: tuple = (10, 20)  # steps after which held-out pairs are evaluated (step 0 is the reference)
     eval_pairs: int = 224  # the first n held-out pairs, evaluated after the last step
-    curve_pairs: int = 96  # the first n of them, evaluated at every point of `evals` (the curves: CPU-time readings)
+    curve_pairs: int = 64  # the first n of them, evaluated at every point of `evals` (the curves: CPU-time readings)
     eval_batch: int = 16  # sequences per forward
     beta: float = 0.1
 
