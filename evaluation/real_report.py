@@ -132,10 +132,13 @@ def auto_verdict(model: str, task: str, runs: dict) -> str:
     fixed = {s: v for s, v in median.items() if s != "auto"}
     best = max(fixed, key=fixed.get)
     width = max(max(r["acc_equal_cpu"]) - min(r["acc_equal_cpu"]) for r in rows.values())
+    seeds = min(len(r["seeds"]) for r in rows.values())
+    spread_text = (f"the widest seed range of a setting there is {width:.3f}" if seeds > 1 else
+                   "one seed: no spread yet, and 64 pairs read one pair as 0.016")
     reasons = sorted({c[3] for c in rows["auto"]["auto"] if c})
     text = (f"- {model} x {task}: at {budget:.0f} s of training CPU, `auto` {median['auto']:.3f}, the best fixed "
             f"setting ({best}) {fixed[best]:.3f} ({median['auto'] - fixed[best]:+.3f}), the exact preset "
-            f"{median.get('exact', float('nan')):.3f}; the widest seed range of a setting there is {width:.3f}.")
+            f"{median.get('exact', float('nan')):.3f}; {spread_text}.")
     if reasons:
         text += " Its last decision: " + " | ".join(f"\"{r}\"" for r in reasons)
     return text
