@@ -1,7 +1,8 @@
 """The starting policy: the demo's tiny Llama, warm-started by a short SFT on the chosen answers, cached on disk.
 
-DPO needs a policy that already half-knows the task, or there is nothing to sharpen. This is a plain causal-LM loop
-(AdamW, linear warmup then cosine decay, loss on the completion tokens only) over the `sft` split, which shares no
+DPO needs a policy that already half-knows the task, or there is nothing to sharpen. The loop is the project's one SFT
+loop (trl_pruned_dpo/demo/sft.py, `train_causal_lm`: AdamW, linear warmup then cosine decay, loss on the completion
+tokens only) over the `sft` split, which shares no
 prompt with the DPO train or test splits (drawn with the same sizes as the study's). The sequence layout is exactly
 TRL's DPO one for this tokenizer: ``<bos> prompt completion <eos>``. The result is saved with `save_pretrained`
 under the demo cache (``$TRL_PRUNED_DPO_CACHE/quality/``), keyed by a hash of everything that determines it, so every
@@ -10,11 +11,9 @@ setting and seed starts from the very same weights and a second run of the study
 
 import hashlib
 import json
-import math
 import random
 import shutil
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_pruned_dpo.demo import build_model, build_tokenizer, cache_dir
+from trl_pruned_dpo.demo.sft import encode, train_causal_lm
 
 from .tasks import QUICK_SIZES, STUDY_SIZES, make_study_splits
 
@@ -47,57 +47,13 @@ class SFTSpec:
         return f"sft-{self.model}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
-def _encode(tokenizer, rows):
-    """(ids, first completion index) per row: <bos> prompt completion <eos>, as TRL lays out a DPO sequence."""
-    out = []
-    for row in rows:
-        prompt = tokenizer(row["prompt"])["input_ids"]
-        full = tokenizer(row["prompt"] + row["chosen"])["input_ids"] + [tokenizer.eos_token_id]
-        out.append((full, len(prompt)))
-    return out
-
-
-def _batch(encoded, pad_id):
-    width = max(len(ids) for ids, _ in encoded)
-    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(encoded), width), -100, dtype=torch.long)
-    attention = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, (ids, start) in enumerate(encoded):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, start : len(ids)] = torch.tensor(ids[start:])
-        attention[row, : len(ids)] = 1
-    return input_ids, labels, attention
-
-
 def train_sft(spec: SFTSpec, log=print):
     """Train the starting policy from the demo's seeded init; returns the model (fp32, eval mode)."""
     tokenizer = build_tokenizer()
     rows = make_study_splits(spec.n_examples, spec.n_train, spec.n_test, seed=spec.data_seed, quick=spec.quick)["sft"]
-    encoded = _encode(tokenizer, rows)
     model = build_model(spec.model, spec.model_seed)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
-
-    def lr_at(step):
-        if step < spec.warmup:
-            return (step + 1) / spec.warmup
-        progress = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
-    order = random.Random(spec.data_seed)
-    started = time.perf_counter()
-    for step in range(spec.steps):
-        batch = [encoded[order.randrange(len(encoded))] for _ in range(spec.batch_size)]
-        input_ids, labels, attention = _batch(batch, tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 250 == 0 or step == spec.steps - 1:
-            log(f"  sft step {step:5d}  loss {loss.item():.3f}  ({time.perf_counter() - started:.0f}s)")
+    train_causal_lm(model, encode(tokenizer, rows), spec.steps, spec.batch_size, spec.learning_rate, spec.warmup,
+                    tokenizer.pad_token_id, random.Random(spec.data_seed), log, log_every=250)
     return model.eval()
 
 

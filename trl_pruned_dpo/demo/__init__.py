@@ -3,7 +3,8 @@
 - `tokenizer.build_tokenizer()`: the local character-level tokenizer.
 - `model.resolve_model("builtin:tiny-demo")`: a cached local folder with a seeded tiny model and that tokenizer;
   ``builtin:tiny-demo-sft`` is the same model warm-started by a short SFT (sft.py), the demo's default;
-  ``builtin:smollm2-135m-instruct`` is a real pretrained model, built once from the package registry (pretrained.py).
+  ``builtin:smollm2-135m-instruct`` and ``builtin:gemma3-270m`` are real pretrained models, built once from the
+  package registry (pretrained.py).
 - `tasks.make_dataset(task, n, seed)`, `tasks.is_correct(task, prompt, completion)`, `tasks.load_builtin(name)`;
   ``builtin:python-docs`` is real text from the Python documentation, as chat messages (realtext.py).
 

@@ -10,8 +10,9 @@ The weights of ``tiny-demo`` and ``small-demo`` are random (a seeded init, not p
 ``tiny-demo`` warm-started by a short SFT on right answers (sft.py, ~30 s of one CPU core the first time), the
 starting point on which the demo's DPO visibly learns.
 
-``builtin:smollm2-135m-instruct`` is a real pretrained model (SmolLM2-135M-Instruct), built once from the package
-registry and de-quantized into the same cache (pretrained.py); offline from then on.
+``builtin:smollm2-135m-instruct`` (SmolLM2-135M-Instruct) and ``builtin:gemma3-270m`` (the base Gemma 3 270M) are real
+pretrained models, built once from the package registry and de-quantized into the same cache (pretrained.py); offline
+from then on.
 """
 
 import hashlib

@@ -1,19 +1,23 @@
-"""A real-text preference task from the Python documentation every Python installation ships (``pydoc_data``).
+"""Real-text preference tasks from the Python documentation every Python installation ships.
 
 ``builtin:python-docs``: the sections of the language reference that `help()` shows (``pydoc_data.topics``: "The
-"assert" statement", "Augmented assignment statements", "Dictionaries", ...), turned into preference pairs in TRL's
-conversational format (``prompt``, ``chosen``, ``rejected`` as lists of messages; TRL applies the model's chat template):
+"assert" statement", "Augmented assignment statements", "Dictionaries", ...). ``builtin:python-docstrings``: the
+docstrings of public functions and classes of a fixed list of standard-library modules (``json.dumps``,
+``shutil.copytree``, ...). Both are turned into preference pairs in TRL's conversational format (``prompt``,
+``chosen``, ``rejected`` as lists of messages; TRL applies the model's chat template):
 
-- prompt: one user message asking about a section by its title, in one of a few phrasings;
-- chosen: the opening of that section (its first 1 to 3 sentences, capped near 40 words: ragged lengths);
-- rejected, half the pairs, *independent*: the opening of another section, of a similar length (so length is no cue);
+- prompt: one user message asking about a topic (a section's title, a function's dotted name), in one of a few
+  phrasings;
+- chosen: the opening of that topic's text (its first 1 to 3 sentences, capped near 40 words: ragged lengths);
+- rejected, half the pairs, *independent*: the opening of another topic, of a similar length (so length is no cue);
 - rejected, the other half, *near-copy*: the chosen answer (then 2 to 3 sentences) with one of its sentences (uniform
-  over them, so the common prefix of the two answers is short or long) replaced by a sentence from another section
-  of a similar length (a section of one sentence gets an independent rejection instead).
+  over them, so the common prefix of the two answers is short or long) replaced by a sentence from another topic
+  of a similar length (a topic of one sentence gets an independent rejection instead).
 
 Why chosen is better, in a way a model can learn: it is about what was asked; the rejected answer is about another
-topic, wholly or in one sentence. Held-out: whole sections are held out, so no held-out prompt (nor its answer) is
-ever trained on. Deterministic from the seed for a given Python version (the text is that version's documentation).
+topic, wholly or in one sentence. Held-out: whole sections (python-docs) or whole modules (python-docstrings) are held
+out, so no held-out prompt (nor its answer, nor, for docstrings, its module) is ever trained on. Deterministic from
+the seed for a given Python version (the text is that version's documentation).
 """
 
 import random
@@ -28,7 +32,13 @@ QUESTIONS = (
     "In Python, what should I know about {title}?",
     "Give me a short description of {title} from the Python docs.",
 )
-HELD_OUT_SHARE = 0.25  # of the sections
+DOCSTRING_QUESTIONS = (
+    "What does `{title}` do in Python?",
+    "Describe the Python standard library's `{title}`.",
+    "In Python, what is `{title}` for?",
+    "Briefly, what does `{title}` in the standard library do?",
+)
+HELD_OUT_SHARE = 0.35  # of the sections: 56 of 161, asked in every phrasing, 224 held-out pairs
 MAX_WORDS = 40
 _TITLE_RULE = re.compile(r"[*=\-~^]{3,}")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“*(])")
@@ -109,21 +119,92 @@ def _pair(title: str, own: tuple[str, ...], others: list[tuple[str, tuple[str, .
             "rejected": [{"role": "assistant", "content": " ".join(rejected)}]}
 
 
-def make_splits(seed: int = 0, questions_train: int = len(QUESTIONS), questions_test: int = 2) -> DatasetDict:
-    """Train and held-out test pairs: the sections are split (HELD_OUT_SHARE held out); each train section gives
-    `questions_train` pairs (one per phrasing), each held-out one `questions_test`; near-copy and independent
-    rejections alternate. The rejected text of either split comes from sections of the same split."""
-    rng = random.Random(f"trl-pruned-dpo/python-docs/{seed}")
-    pool = list(sections())
-    rng.shuffle(pool)
-    cut = int(len(pool) * HELD_OUT_SHARE)
+def _split_pairs(groups: list[list[tuple[str, tuple[str, ...]]]], questions: tuple[str, ...], questions_train: int,
+                 questions_test: int, held_out_share: float, rng: random.Random) -> DatasetDict:
+    """Train and held-out test pairs from `groups` of topics (a group is held out whole: a section, a module): the
+    groups are shuffled and `held_out_share` of them held out; each train topic gives `questions_train` pairs (one per
+    phrasing), each held-out one `questions_test`; near-copy and independent rejections alternate. The rejected text
+    of either split comes from topics of the same split."""
+    groups = list(groups)
+    rng.shuffle(groups)
+    cut = round(len(groups) * held_out_share)
     splits = {}
-    for split, part, n_questions in (("train", pool[cut:], questions_train), ("test", pool[:cut], questions_test)):
+    for split, part, n_questions in (("train", groups[cut:], questions_train), ("test", groups[:cut], questions_test)):
+        topics = [topic for group in part for topic in group]
         rows = []
-        for index, (title, own) in enumerate(part):
-            others = part[:index] + part[index + 1:]
-            for q, question in enumerate(rng.sample(QUESTIONS, n_questions)):
+        for index, (title, own) in enumerate(topics):
+            others = topics[:index] + topics[index + 1:]
+            for q, question in enumerate(rng.sample(questions, n_questions)):
                 rows.append(_pair(title, own, others, question, (index + q) % 2 == 0, rng))
         rng.shuffle(rows)
         splits[split] = Dataset.from_list(rows)
     return DatasetDict(splits)
+
+
+def make_splits(seed: int = 0, questions_train: int = len(QUESTIONS), questions_test: int = len(QUESTIONS),
+                held_out_share: float = HELD_OUT_SHARE) -> DatasetDict:
+    """``builtin:python-docs``: each section a group of its own (420 train pairs, 224 held-out with the defaults)."""
+    rng = random.Random(f"trl-pruned-dpo/python-docs/{seed}")
+    return _split_pairs([[section] for section in sections()], QUESTIONS, questions_train, questions_test,
+                        held_out_share, rng)
+
+
+# The standard-library modules whose public docstrings make ``builtin:python-docstrings`` (pure-Python and C modules
+# alike; a module this Python lacks is skipped). A fixed list, so the task does not depend on what else is imported.
+DOCSTRING_MODULES = (
+    "argparse", "base64", "binascii", "calendar", "cmath", "codecs", "configparser", "contextlib", "copy", "csv",
+    "dataclasses", "datetime", "decimal", "difflib", "dis", "doctest", "email.utils", "enum", "fnmatch", "ftplib",
+    "functools", "gc", "getpass", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client", "imaplib",
+    "inspect", "io", "ipaddress", "itertools", "json", "linecache", "locale", "logging", "math", "mimetypes",
+    "operator", "os", "os.path", "pathlib", "pickle", "pkgutil", "platform", "plistlib", "pprint", "queue", "quopri",
+    "random", "re", "secrets", "selectors", "shelve", "shlex", "shutil", "signal", "site", "smtplib", "socket",
+    "sqlite3", "statistics", "string", "subprocess", "sys", "sysconfig", "tarfile", "tempfile", "textwrap",
+    "threading", "time", "timeit", "tokenize", "traceback", "types", "typing", "unicodedata", "urllib.parse",
+    "urllib.request", "uuid", "warnings", "weakref", "webbrowser", "xml.etree.ElementTree", "zipfile", "zlib",
+)
+DOCSTRING_HELD_OUT_SHARE = 0.2  # of the modules
+
+
+def _docstring_sentences(doc: str) -> tuple[str, ...]:
+    """The sentences of a docstring's prose paragraphs, signature lines ("dumps(obj, ...)", "f(x) -> y") dropped."""
+    lines = [line for line in doc.split("\n") if not re.match(r"^\s*[\w.]+\(.*\)( -> .*)?\s*$", line)]
+    return tuple(s for p in _paragraphs(lines) for s in _sentences(p) if s[0].isupper())
+
+
+@lru_cache(maxsize=1)
+def docstrings() -> tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...]:
+    """(module, ((dotted name, sentences of its docstring's prose), ...)) for each module of DOCSTRING_MODULES with
+    at least two documented public functions or classes defined in it; a text documented under several names keeps
+    its first."""
+    import importlib
+    import inspect
+
+    found, seen = [], set()
+    for name in DOCSTRING_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        topics = []
+        for attribute in sorted(a for a in dir(module) if not a.startswith("_")):
+            obj = getattr(module, attribute)
+            if not (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)):
+                continue
+            if getattr(obj, "__module__", None) not in (name, module.__name__):
+                continue
+            sentences = _docstring_sentences(inspect.getdoc(obj) or "")
+            if sentences and sentences[0] not in seen:
+                seen.add(sentences[0])
+                topics.append((f"{name}.{attribute}", sentences))
+        if len(topics) >= 2:
+            found.append((name, tuple(topics)))
+    return tuple(found)
+
+
+def make_docstring_splits(seed: int = 0, questions_train: int = 2, questions_test: int = 1,
+                          held_out_share: float = DOCSTRING_HELD_OUT_SHARE) -> DatasetDict:
+    """``builtin:python-docstrings``: each module a group, held out whole (a held-out function's module is never
+    trained on)."""
+    rng = random.Random(f"trl-pruned-dpo/python-docstrings/{seed}")
+    return _split_pairs([list(topics) for _, topics in docstrings()], DOCSTRING_QUESTIONS, questions_train,
+                        questions_test, held_out_share, rng)

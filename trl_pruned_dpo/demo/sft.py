@@ -8,7 +8,8 @@ saw. The loop is a plain causal-LM one (AdamW, warmup then cosine decay, loss on
 sequences laid out as TRL's DPO lays them out for this tokenizer: ``<bos> prompt completion <eos>``.
 
 The result is deterministic from the recipe and the seed, and cached like the other built-in models (model.py).
-The same idea, at the quality study's sizes, is evaluation/sft.py.
+The loop, `train_causal_lm`, is the project's one SFT loop: evaluation/sft.py (the toy quality study's starting
+policy) and evaluation/real_run.py (the real-model study's warm start) call it too.
 """
 
 import math
@@ -52,17 +53,23 @@ def sft_examples(recipe: SFTRecipe, seed: int) -> list[dict[str, str]]:
     return [row for row in rows if row["prompt"] not in held]
 
 
-def _batch(rows, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, labels, attention_mask), right-padded; labels only on the completion and its EOS."""
+def encode(tokenizer, rows) -> list[tuple[list[int], int]]:
+    """(ids, first completion index) per row: ``<bos> prompt completion <eos>``, as TRL lays out a DPO sequence for
+    the demo's tokenizer."""
     encoded = []
     for row in rows:
         prompt = tokenizer(row["prompt"])["input_ids"]
         full = tokenizer(row["prompt"] + row["chosen"])["input_ids"] + [tokenizer.eos_token_id]
         encoded.append((full, len(prompt)))
+    return encoded
+
+
+def _batch(encoded, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, labels, attention_mask), right-padded; labels only on the completion (and its EOS)."""
     width = max(len(ids) for ids, _ in encoded)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(encoded), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(encoded), width), dtype=torch.long)
     for i, (ids, start) in enumerate(encoded):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         labels[i, start : len(ids)] = input_ids[i, start : len(ids)]
@@ -70,41 +77,49 @@ def _batch(rows, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return input_ids, labels, attention
 
 
+def train_causal_lm(model, encoded: list[tuple[list[int], int]], steps: int, batch_size: int, learning_rate: float,
+                    warmup: int, pad_id: int, order: random.Random, log, log_every: int = 100):
+    """The one SFT loop of the project (the demo's warm start, the toy quality study's, the real-model study's):
+    `steps` AdamW steps on `batch_size` examples drawn from `encoded` ((ids, first completion index) pairs) with
+    `order`, the loss on the completion tokens only, linear warm-up then cosine decay to a tenth, gradients clipped
+    at 1. Trains `model` in place (train mode); the caller seeds torch and sets the thread count."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
+
+    def lr_factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    started = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        input_ids, labels, attention = _batch([order.choice(encoded) for _ in range(batch_size)], pad_id)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            log(f"  SFT step {step + 1}/{steps}: loss {loss.item():.3f} ({time.perf_counter() - started:.0f} s)")
+    return model
+
+
 def fine_tune(model, recipe: SFTRecipe, seed: int = 0, log=None):
     """Train `model` (a fresh built-in init) in place by `recipe`; returns it in eval mode. Leaves the caller's
     global RNGs untouched."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     tokenizer = build_tokenizer()
-    rows = sft_examples(recipe, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
-
-    def lr_factor(step):  # linear warmup, then cosine down to a tenth
-        if step < recipe.warmup:
-            return (step + 1) / recipe.warmup
-        progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    order = random.Random(f"trl-pruned-dpo/sft/{seed}")
-    started = time.perf_counter()
-    model.train()
+    encoded = encode(tokenizer, sft_examples(recipe, seed))
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)  # a thread count may change the order of reductions, hence the weights
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            for step in range(recipe.steps):
-                rows_now = [order.choice(rows) for _ in range(recipe.batch_size)]
-                input_ids, labels, attention = _batch(rows_now, tokenizer)
-                loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                if (step + 1) % 100 == 0 or step + 1 == recipe.steps:
-                    log(f"  SFT step {step + 1}/{recipe.steps}: loss {loss.item():.3f} "
-                        f"({time.perf_counter() - started:.0f} s)")
+            train_causal_lm(model, encoded, recipe.steps, recipe.batch_size, recipe.learning_rate, recipe.warmup,
+                            tokenizer.pad_token_id, random.Random(f"trl-pruned-dpo/sft/{seed}"), log)
     finally:
         torch.set_num_threads(threads)
     return model.eval()

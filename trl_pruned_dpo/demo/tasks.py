@@ -180,18 +180,22 @@ BUILTIN_VARIANTS = {"sort-short": ("sort", 1, 12, 2048, 1024)}
 
 REAL_TEXT = "python-docs"  # real English text in the conversational format (realtext.py)
 RANKED_TEXT = "python-docs-ranked"  # the same text, 4 graded answers and all 6 pairs per prompt (ranked.py)
+REAL_TEXT_DOCSTRINGS = "python-docstrings"  # the standard library's docstrings, the same format (realtext.py)
 
 
 def builtin_names() -> list[str]:
-    return [BUILTIN_PREFIX + t for t in TASKS + ("mix",) + tuple(BUILTIN_VARIANTS) + (REAL_TEXT, RANKED_TEXT)]
+    return [BUILTIN_PREFIX + t for t in TASKS + ("mix",) + tuple(BUILTIN_VARIANTS)
+            + (REAL_TEXT, REAL_TEXT_DOCSTRINGS, RANKED_TEXT)]
 
 
 def load_builtin(name: str, seed: int = 0) -> DatasetDict:
     """The dataset named ``builtin:<task>`` (sort, add, reverse, mix): 4096 train and up to 256 held-out test pairs
     with default sizes, generated in memory (well under a second) from `seed`; or a named variant
     (``builtin:sort-short``: 2048 train pairs of 1 to 12 numbers, 969 held-out pairs); or ``builtin:python-docs``,
-    real text from the Python documentation as chat messages (realtext.py: 484 train and 80 held-out pairs); or
-    ``builtin:python-docs-ranked``, the same text with 4 graded answers per prompt, all 6 pairs (ranked.py)."""
+    real text from the Python documentation as chat messages (realtext.py: 420 train and 224 held-out pairs);
+    ``builtin:python-docstrings``, the standard library's docstrings, likewise (~1570 train, ~220 held-out pairs); or
+    ``builtin:python-docs-ranked``, the Python documentation's text with 4 graded answers per prompt, all 6 pairs
+    (ranked.py)."""
     task = name[len(BUILTIN_PREFIX):] if name.startswith(BUILTIN_PREFIX) else name
     if task == REAL_TEXT:
         from .realtext import make_splits as real_text_splits
@@ -201,6 +205,10 @@ def load_builtin(name: str, seed: int = 0) -> DatasetDict:
         from .ranked import make_ranked_splits
 
         return make_ranked_splits(seed)
+    if task == REAL_TEXT_DOCSTRINGS:
+        from .realtext import make_docstring_splits
+
+        return make_docstring_splits(seed)
     if task in BUILTIN_VARIANTS:
         task, low, high, n_train, n_test = BUILTIN_VARIANTS[task]
         return make_splits(task, n_train, n_test, seed, low, high)

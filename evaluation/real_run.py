@@ -1,0 +1,291 @@
+"""One run of the real-model study: a (model, task, setting, seed) cell, DPO with LoRA, held-out metrics on the way.
+
+Every run of a (model, task) starts from the same weights (the model, or its SFT warm start: `warm_start`), trains a
+LoRA adapter (the reference is the model with its adapter off), on the same train pairs (the task's split for seed 0;
+the run's seed draws the data order and the adapter's initialisation), with a constant learning rate (no warm-up:
+HF's first warm-up step has a learning rate of 0), so a curve read at step k does not depend on how long the run goes on.
+
+Held-out pairs: the first `curve_pairs` at every evaluation (the curves, read at equal CPU time), all `eval_pairs`
+after the last step (the equal-steps numbers): a forward over 224 pairs costs ~2 minutes of one CPU core on SmolLM2,
+more than a dozen training steps, so the curve's points use fewer pairs.
+
+Clocks: this process's CPU time (user + system; one torch thread), from each optimizer step's start to its end
+(`on_step_begin` .. `on_step_end`: forward, backward, `auto`'s measurements, clipping, the optimizer); evaluation,
+loading and data preparation are excluded. Held-out metrics are forward-only and exact (nothing pruned): each pair's
+chosen and rejected log-probabilities under the policy, against the reference's, computed once per (model, task)
+(the adapter starts at zero, so step 0 is the reference itself: every margin a tie, accuracy 0.5 by the convention
+below, margin 0).
+
+Held-out reward accuracy here counts a tie as half a win (TRL's `rewards/accuracies` counts it as a loss, which
+puts step 0 at 0.0 instead of the coin flip it is); after one step there are no ties.
+"""
+
+import hashlib
+import json
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers.trainer_callback import PrinterCallback
+
+# A chat template for a built-in model without one (the tiny smoke model): roles as tags, the answer after
+# "<assistant>". Real models keep their own (SmolLM2's ChatML; Gemma 3's from TRL).
+PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                       "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model of the study and how it is trained (LoRA on every linear layer of its blocks)."""
+
+    path: str  # a builtin: name or a folder
+    pairs: int = 4  # pairs per optimizer step
+    learning_rate: float = 1e-3
+    lora_r: int = 16
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    warm_start: dict = field(default_factory=dict)  # SFT on the task's chosen answers first (`steps`, `batch_size`, ...)
+    max_length: int = 256
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    steps: int = 20
+    evals: tuple = (10, 20)  # steps after which held-out pairs are evaluated (step 0 is the reference)
+    eval_pairs: int = 224  # the first n held-out pairs, evaluated after the last step
+    curve_pairs: int = 64  # the first n of them, evaluated at every point of `evals` (the curves: CPU-time readings)
+    eval_batch: int = 16  # sequences per forward
+    beta: float = 0.1
+
+
+def cpu_seconds() -> float:
+    return time.process_time()
+
+
+# ---------------------------------------------------------------------------------------------------- held-out metrics
+
+
+def _sequences(rows) -> list[tuple[list[int], int]]:
+    """(prompt + answer ids, answer length) for each row's chosen then rejected answer, as TRL tokenized them."""
+    out = []
+    for row in rows:
+        for key in ("chosen_ids", "rejected_ids"):
+            out.append((list(row["prompt_ids"]) + list(row[key]), len(row[key])))
+    return out
+
+
+@torch.no_grad()
+def answer_log_probs(model, sequences, pad_id: int, batch: int) -> list[float]:
+    """Summed log-probability of each sequence's answer (its last `n` tokens): left-padded batches of similar lengths,
+    positions counted from each row's first real token, logits only for the answers' positions (`logits_to_keep`)."""
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
+    sums = [0.0] * len(sequences)
+    try:
+        for start in range(0, len(order), batch):
+            chunk = order[start:start + batch]
+            width = max(len(sequences[i][0]) for i in chunk)
+            keep = max(sequences[i][1] for i in chunk) + 1
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(chunk):
+                tokens = sequences[i][0]
+                ids[row, width - len(tokens):] = torch.tensor(tokens)
+                mask[row, width - len(tokens):] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
+            # logits[:, j] predicts the token at position width - keep + j + 1
+            logp = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, width - keep + 1:, None]).squeeze(-1)
+            for row, i in enumerate(chunk):
+                sums[i] = float(logp[row, keep - 1 - sequences[i][1]:].sum())
+    finally:
+        model.train(was_training)
+    return sums
+
+
+def pair_metrics(policy: list[float], reference: list[float], beta: float, curve_pairs: int) -> dict[str, float]:
+    """Held-out reward accuracy (a tie counts half) and mean reward margin from chosen/rejected log-probabilities
+    laid out as `_sequences` lays them out: over every pair given (`accuracy`, `margin`) and over the first
+    `curve_pairs` (`curve_accuracy`, `curve_margin`)."""
+    margins = [beta * ((policy[i] - reference[i]) - (policy[i + 1] - reference[i + 1]))
+               for i in range(0, len(policy), 2)]
+    wins = [1.0 if m > 0 else 0.5 if m == 0 else 0.0 for m in margins]
+    head = slice(0, curve_pairs)
+    return {"accuracy": sum(wins) / len(wins), "margin": sum(margins) / len(margins), "pairs": len(wins),
+            "curve_accuracy": sum(wins[head]) / len(wins[head]), "curve_margin": sum(margins[head]) / len(wins[head])}
+
+
+# ------------------------------------------------------------------------------------------------------ the trainers
+
+
+class _Counted:
+    """Mixin for both trainers: the policy tokens executed by each training micro-step (stock: the padded batch of
+    chosen and rejected rows; the plugin: what its plan executed, `last_prune_stats`)."""
+
+    tokens_executed = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if model.training:
+            stats = getattr(self, "last_prune_stats", None)
+            if stats and "policy_tokens_executed" in stats:
+                self.tokens_executed += stats["policy_tokens_executed"]
+            else:
+                self.tokens_executed += inputs["input_ids"].numel()
+        return out
+
+
+def _trainer_classes():
+    from trl import DPOTrainer
+
+    from trl_pruned_dpo import PrunedDPOTrainer
+
+    return type("CountedDPOTrainer", (_Counted, DPOTrainer), {}), type("CountedPruned", (_Counted, PrunedDPOTrainer), {})
+
+
+class _Clock(TrainerCallback):
+    """Training CPU time per step, and the held-out evaluations at the planned steps."""
+
+    def __init__(self, evaluate, eval_steps, log):
+        self.evaluate, self.eval_steps, self.log = evaluate, set(eval_steps), log
+        self.step_cpu, self.started, self.points = [], None, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started = cpu_seconds()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_cpu.append(cpu_seconds() - self.started)
+        if state.global_step in self.eval_steps:
+            began = cpu_seconds()
+            point = {"step": state.global_step, "cpu": sum(self.step_cpu), **self.evaluate(state.global_step)}
+            self.points.append(point)
+            self.log(f"    step {point['step']:3d}  train CPU {point['cpu']:7.1f} s  accuracy {point['accuracy']:.3f} "
+                     f"({point['pairs']} pairs)  margin {point['margin']:+.4f}  (eval {cpu_seconds() - began:.0f} s CPU)")
+
+
+def auto_record(trainer) -> dict:
+    """What `auto` chose and why (its callback's public `choice` and `history`), or {} for a run without auto."""
+    for callback in trainer.callback_handler.callbacks:
+        if type(callback).__name__ == "AutoKeepProbs":
+            return {"auto_choice": list(callback.choice), "auto_history": callback.history}
+    return {}
+
+
+def load_tokenizer(path: str):
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | None, seed: int, train_rows, eval_rows,
+              reference_cache: dict, log=print) -> dict:
+    """Train one cell; returns its record (curve, per-step CPU times, tokens, auto's choice). `setting` None is stock
+    `DPOTrainer`; otherwise the `PrunedDPOConfig` fields it sets. `reference_cache` keeps the reference's held-out
+    log-probabilities between runs of the same (model, task) (a dict the caller owns)."""
+    from peft import LoraConfig
+    from trl import DPOConfig
+
+    from trl_pruned_dpo import PrunedDPOConfig
+
+    stock_class, pruned_class = _trainer_classes()
+    tokenizer = load_tokenizer(model_path)
+    common = dict(
+        per_device_train_batch_size=spec.pairs, max_steps=plan.steps, learning_rate=spec.learning_rate,
+        lr_scheduler_type="constant", beta=plan.beta, max_length=spec.max_length,
+        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=seed, data_seed=seed, report_to=[],
+        logging_steps=1, save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    lora = LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=0.0,
+                      target_modules=list(spec.lora_targets), task_type="CAUSAL_LM")
+    with tempfile.TemporaryDirectory(prefix="real_models_") as scratch:
+        if setting is None:
+            cls, args = stock_class, DPOConfig(output_dir=scratch, **common)
+        else:
+            cls, args = pruned_class, PrunedDPOConfig(output_dir=scratch, **common, **setting)
+        trainer = cls(model=model_path, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
+                      processing_class=tokenizer, peft_config=lora)
+        sequences = _sequences(trainer.eval_dataset)
+        pad = tokenizer.pad_token_id
+
+        def evaluate(step):  # the curve's pairs at every point, every pair after the last step
+            chosen = sequences if step == plan.steps else sequences[:2 * plan.curve_pairs]
+            return pair_metrics(answer_log_probs(trainer.model, chosen, pad, plan.eval_batch),
+                                reference_cache["logps"], plan.beta, plan.curve_pairs)
+
+        if "logps" not in reference_cache:
+            began = cpu_seconds()
+            with trainer.model.disable_adapter():
+                reference_cache["logps"] = answer_log_probs(trainer.model, sequences, pad, plan.eval_batch)
+            reference_cache["cpu"] = cpu_seconds() - began
+            log(f"    reference log-probabilities of {len(sequences) // 2} held-out pairs: "
+                f"{reference_cache['cpu']:.0f} s CPU")
+        clock = _Clock(evaluate, plan.evals, log)
+        trainer.remove_callback(PrinterCallback)
+        trainer.add_callback(clock)
+        trainer.train()
+    history = trainer.state.log_history
+    shares = [h["prune/tokens_executed"] for h in history if "prune/tokens_executed" in h]
+    return {
+        "curve": [{"step": 0, "cpu": 0.0, "accuracy": 0.5, "margin": 0.0, "curve_accuracy": 0.5, "curve_margin": 0.0}]
+        + clock.points,
+        "step_cpu": clock.step_cpu,
+        "tokens_executed": trainer.tokens_executed,
+        "tokens_executed_share": sum(shares) / len(shares) if shares else 1.0,
+        "losses": [h["loss"] for h in history if "loss" in h],
+        "threads": torch.get_num_threads(),
+        **auto_record(trainer),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the SFT warm start
+
+
+def conversational_examples(tokenizer, rows) -> list[tuple[list[int], int]]:
+    """(ids, first answer index) for each row's prompt and chosen answer through the chat template, as TRL's DPO
+    tokenizes a conversational pair: the prompt with the generation prompt, then the rest of the whole conversation."""
+    out = []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        full = tokenizer.apply_chat_template(row["prompt"] + row["chosen"], tokenize=True)
+        prompt, full = (list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x)
+                        for x in (prompt, full))
+        if full[:len(prompt)] == prompt and len(full) > len(prompt):
+            out.append((full, len(prompt)))
+    return out
+
+
+def warm_start_folder(model_path: str, task: str, train_rows, recipe: dict, cache: Path, log=print) -> str:
+    """The model after a short SFT on the task's chosen answers (train split only), cached in `cache` by a hash of
+    the model, task and recipe, shared by every setting and seed. The loop is the demo's (trl_pruned_dpo/demo/sft.py,
+    `train_causal_lm`), full fine-tuning."""
+    from trl_pruned_dpo.demo.sft import train_causal_lm
+
+    key = hashlib.sha256(json.dumps([model_path, task, recipe], sort_keys=True).encode()).hexdigest()[:12]
+    folder = cache / f"sft-{Path(model_path).name}-{task}-{key}"
+    if (folder / "model.safetensors").is_file():
+        return str(folder)
+    log(f"  warm start: SFT of {model_path} on {task}'s chosen answers ({recipe}), cached at {folder}")
+    tokenizer = load_tokenizer(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    began = cpu_seconds()
+    examples = conversational_examples(tokenizer, train_rows)
+    train_causal_lm(model, examples, steps=recipe["steps"], batch_size=recipe["batch_size"],
+                    learning_rate=recipe["learning_rate"], warmup=recipe.get("warmup", 2), pad_id=tokenizer.pad_token_id,
+                    order=random.Random(f"real-models/sft/{task}"), log=log, log_every=max(1, recipe["steps"] // 4))
+    log(f"  warm start done: {cpu_seconds() - began:.0f} s CPU")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=cache))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "warm_start.json").write_text(json.dumps({"model": model_path, "task": task, **recipe}, indent=1))
+    tmp.rename(folder)
+    return str(folder)
+
+
