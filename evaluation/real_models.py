@@ -26,21 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from . import store
-from .real_run import ModelSpec, RunPlan
-
-EXACT = {"prune_common_prefix": True}  # the exact preset: the defaults (prompt once, no padding) + common prefix
-SETTINGS = {
-    "stock": None,
-    "exact": EXACT,
-    "branch": {**EXACT, "branch_keep_prob": 0.5},
-    "position": {**EXACT, "position_keep_prob": 0.5},
-    "prefix": {**EXACT, "prefix_prune_prob": 0.5},
-    "all": {**EXACT, "branch_keep_prob": 0.5, "position_keep_prob": 0.5, "prefix_prune_prob": 0.5},
-    "auto": {**EXACT, "branch_keep_prob": "auto", "position_keep_prob": "auto"},
-}
-LABELS = {"stock": "stock DPOTrainer", "exact": "exact preset", "branch": "exact + branch 0.5",
-          "position": "exact + position 0.5", "prefix": "exact + prefix 0.5", "all": "exact + all three 0.5",
-          "auto": "exact + auto"}
+from .real_run import SETTINGS, ModelSpec, RunPlan
 
 MODELS = {
     "smollm2": ModelSpec(path="builtin:smollm2-135m-instruct", pairs=4, learning_rate=1e-3),

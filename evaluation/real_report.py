@@ -27,7 +27,7 @@ BEGIN, END = "<!-- real_models:begin (generated: python -m evaluation.real_model
 
 def _groups(records):
     """{(model, task): {setting: [records by seed]}} in the study's orders, the latest record of a cell kept."""
-    from .real_models import SETTINGS
+    from .real_run import SETTINGS
 
     cells = {}
     for record in records:
@@ -93,7 +93,7 @@ def _auto_text(choices) -> str:
 
 
 def table(model: str, task: str, runs: dict) -> str:
-    from .real_models import LABELS
+    from .real_run import LABELS
 
     rows, budget = summarize(runs)
     stock = statistics.median(rows["stock"]["step_cpu"]) if "stock" in rows else None
@@ -152,7 +152,7 @@ def plot(groups: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from .real_models import LABELS
+    from .real_run import LABELS
 
     figure, axes = plt.subplots(len(groups), 2, figsize=(11, 3.6 * len(groups)), squeeze=False, sharey="row")
     colors = plt.get_cmap("tab10")

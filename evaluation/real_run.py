@@ -38,6 +38,22 @@ PLAIN_CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] 
                        "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
+# The study's settings (docs/quality.md): stock, then the exact preset alone and with each estimator.
+EXACT = {"prune_common_prefix": True}  # the exact preset: the defaults (prompt once, no padding) + common prefix
+SETTINGS = {
+    "stock": None,
+    "exact": EXACT,
+    "branch": {**EXACT, "branch_keep_prob": 0.5},
+    "position": {**EXACT, "position_keep_prob": 0.5},
+    "prefix": {**EXACT, "prefix_prune_prob": 0.5},
+    "all": {**EXACT, "branch_keep_prob": 0.5, "position_keep_prob": 0.5, "prefix_prune_prob": 0.5},
+    "auto": {**EXACT, "branch_keep_prob": "auto", "position_keep_prob": "auto"},
+}
+LABELS = {"stock": "stock DPOTrainer", "exact": "exact preset", "branch": "exact + branch 0.5",
+          "position": "exact + position 0.5", "prefix": "exact + prefix 0.5", "all": "exact + all three 0.5",
+          "auto": "exact + auto"}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A model of the study and how it is trained (LoRA on every linear layer of its blocks)."""
