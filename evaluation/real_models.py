@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, default=WORK, help="where warm starts are cached (default: %(default)s)")
     parser.add_argument("--report", action="store_true", help="write the tables and the plot from the store")
     parser.add_argument("--docs", type=Path, default=store.REPO / "docs",
-                        help="where --report writes img/real_models.png and updates quality_headline.md")
+                        help="where --report writes img/real_models.png and updates quality.md")
     parser.add_argument("--smoke", action="store_true", help="the tiny built-in model, every setting, 2 steps")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -192,9 +192,9 @@ def cells_line(groups: dict) -> str:
 
 
 def write_report(records, out, docs: Path = DOCS) -> str:
-    """The tables (printed, and spliced into `docs`/quality_headline.md between its markers) and the plot
+    """The tables (printed, and spliced into `docs`/quality.md between its markers) and the plot
     (`docs`/img/real_models.png)."""
-    image, headline = docs / "img" / "real_models.png", docs / "quality_headline.md"
+    image, headline = docs / "img" / "real_models.png", docs / "quality.md"
     groups = _groups(records)
     if not groups:
         out.write("no stored study cells\n")

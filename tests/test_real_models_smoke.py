@@ -46,10 +46,10 @@ def test_real_models_smoke_every_setting_resumes_and_reports(tmp_path):
 
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "quality_headline.md").write_text("# head\n<!-- real_models:begin (generated: python -m evaluation."
+    (docs / "quality.md").write_text("# head\n<!-- real_models:begin (generated: python -m evaluation."
                                               "real_models --report) -->\nold\n<!-- real_models:end -->\ntail\n")
     report = _run(tmp_path, "--report", "--docs", str(docs))
     assert "| exact + auto" in report and "speed-up vs stock" in report
-    headline = (docs / "quality_headline.md").read_text()
+    headline = (docs / "quality.md").read_text()
     assert "old" not in headline and "| stock DPOTrainer |" in headline and headline.endswith("tail\n")
     assert (docs / "img" / "real_models.png").read_bytes()[:8] == PNG_MAGIC
