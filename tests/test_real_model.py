@@ -19,32 +19,30 @@ downloaded); these tests skip, saying why, only when the package registry cannot
 build (no registry, wrong checksum, no `gguf`) are tested with mocks, without a download.
 """
 
-import copy
-import gc
+import functools
 import io
 import re
 import subprocess
-import tempfile
 import warnings
 import zipfile
 
 import pytest
 import torch
 from datasets import Dataset
-from trl import DPOConfig, DPOTrainer
+from trl import DPOTrainer
 
-from conftest import first_batch, loss_and_grads
-from pretrained_builds import assert_nothing_cached, built_or_skip, empty_cache  # noqa: F401 - a fixture
-from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+import pretrained_builds
+from pretrained_builds import assert_exact, assert_nothing_cached, built_or_skip, empty_cache  # noqa: F401 - a fixture
+from trl_pruned_dpo import PrunedDPOTrainer
 from trl_pruned_dpo.demo import pretrained, resolve_model
 from trl_pruned_dpo.demo.realtext import QUESTIONS, make_splits, sections
 from trl_pruned_dpo.method.plan import HostBatch, common_tokens
 
 MODEL = "builtin:smollm2-135m-instruct"
 PAIRS = 4
-SCRATCH = tempfile.mkdtemp(prefix="real-model-")  # the trainers' output_dir (nothing is saved: save_strategy "no")
-ARGS = dict(per_device_train_batch_size=PAIRS, max_steps=1, learning_rate=1e-5, report_to="none", bf16=False,
-            logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, beta=0.1)
+short_pairs = functools.partial(pretrained_builds.short_pairs, PAIRS)
+trainer = functools.partial(pretrained_builds.make_trainer, pairs=PAIRS)
+step = functools.partial(pretrained_builds.step, n=PAIRS)
 
 
 # --- the model and the data ------------------------------------------------------------------------------------------
@@ -65,52 +63,7 @@ def tokenizer(model_path):
 @pytest.fixture(scope="module")
 def models(model_path):
     """(reference, policy): the built model, and a copy moved slightly off it so that every log-ratio is non-zero."""
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    policy = copy.deepcopy(reference)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        for p in policy.parameters():
-            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g))
-    return reference, policy
-
-
-def short_pairs(n=PAIRS, most_words=18):
-    """`n` real-text pairs with short answers, near-copies (a common prefix) and independent ones alike."""
-    rows = [r for r in make_splits(0)["train"]
-            if max(len(r["chosen"][0]["content"].split()), len(r["rejected"][0]["content"].split())) <= most_words]
-    near = [r for r in rows if r["chosen"][0]["content"][:12] == r["rejected"][0]["content"][:12]]
-    independent = [r for r in rows if r not in near]
-    return Dataset.from_list(near[: n // 2] + independent[: n - n // 2])
-
-
-def trainer(cls, models, tokenizer, data, **config):
-    """A trainer on the shared policy (one 0.5 GB copy for the whole module: each test's trainer takes it in turn)."""
-    reference, policy = models
-    policy.gradient_checkpointing_disable()  # a previous trainer may have turned it on
-    config_class = PrunedDPOConfig if cls is PrunedDPOTrainer else DPOConfig
-    args = config_class(output_dir=SCRATCH, **{**ARGS, **config})
-    return cls(model=policy, ref_model=reference, args=args, train_dataset=data, processing_class=tokenizer)
-
-
-def step(trainer_, n=PAIRS):
-    """Loss and gradients of one step on the first `n` pairs; the trainer's model is left without gradients."""
-    try:
-        return loss_and_grads(trainer_, first_batch(trainer_, n))
-    finally:
-        trainer_.model.zero_grad(set_to_none=True)
-        gc.collect()
-
-
-def assert_exact(stock, plugin):
-    """Loss within 1e-5; every parameter's gradient within 1e-4 of its largest stock entry."""
-    (loss_s, grads_s), (loss_p, grads_p) = stock, plugin
-    assert abs(float(loss_p) - float(loss_s)) <= 1e-5, (float(loss_p), float(loss_s))
-    assert grads_p.keys() == grads_s.keys() and grads_s
-    worst = max((float((grads_p[n] - grads_s[n]).abs().max()) / (float(grads_s[n].abs().max()) + 1e-30), n)
-                for n in grads_s)
-    assert worst[0] <= 1e-4, worst
+    return pretrained_builds.perturbed_pair(model_path)
 
 
 @pytest.fixture(scope="module")
@@ -155,30 +108,10 @@ def test_exact_against_stock(config, models, tokenizer, stock_step):
 
 
 def test_lora_exact_against_stock(models, tokenizer):
-    from peft import LoraConfig
-
     reference, _ = models
     data = short_pairs()
-
-    def lora_step(cls, **config):
-        config_class = PrunedDPOConfig if cls is PrunedDPOTrainer else DPOConfig
-        args = config_class(output_dir=SCRATCH, **{**ARGS, "gradient_checkpointing": True, **config})
-        torch.manual_seed(0)  # the same adapter init
-        lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        built = cls(model=copy.deepcopy(reference), args=args, train_dataset=data, processing_class=tokenizer,
-                    peft_config=lora)
-        with torch.no_grad():  # lora_B starts at zero (policy = reference): move it off
-            g = torch.Generator().manual_seed(1)
-            for name, p in built.model.named_parameters():
-                if "lora_B" in name:
-                    p.add_(0.01 * torch.randn(p.shape, generator=g))
-        try:
-            return step(built)
-        finally:
-            del built
-            gc.collect()
-
-    assert_exact(lora_step(DPOTrainer), lora_step(PrunedDPOTrainer))
+    assert_exact(*(pretrained_builds.lora_step(cls, reference, tokenizer, data, PAIRS)
+                   for cls in (DPOTrainer, PrunedDPOTrainer)))
 
 
 def ranked_pairs(most_words=16):
