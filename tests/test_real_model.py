@@ -130,12 +130,11 @@ def test_prompt_groups_exact_against_stock(models, tokenizer):
     """Prompt groups on the real model and its chat template: each group's templated prompt runs once and each
     distinct answer once, with stock's loss and gradients (checkpointing off; the tiny matrix covers it on)."""
     data = ranked_pairs()
-    stock = trainer(DPOTrainer, models, tokenizer, data, gradient_checkpointing=False, per_device_train_batch_size=12)
-    expected = step(stock, 12)
+    stock = trainer(DPOTrainer, models, tokenizer, data, gradient_checkpointing=False, pairs=12)
+    expected = step(stock, n=12)
     del stock
-    plugin = trainer(PrunedDPOTrainer, models, tokenizer, data, gradient_checkpointing=False,
-                     per_device_train_batch_size=12)
-    assert_exact(expected, step(plugin, 12))
+    plugin = trainer(PrunedDPOTrainer, models, tokenizer, data, gradient_checkpointing=False, pairs=12)
+    assert_exact(expected, step(plugin, n=12))
     stats = plugin.last_prune_stats
     assert stats["shared_pairs"] == 12
     assert stats["policy_tokens_executed"] * 3 < stats["tokens_needed"], stats  # 2 prompts + 8 answers, not 24 rows
