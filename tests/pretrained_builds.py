@@ -30,6 +30,28 @@ def built_or_skip(model: str) -> str:
         pytest.skip(f"{model} cannot be built here: {error}")
 
 
+@pytest.fixture(scope="module")
+def model_path(request):
+    """The cached folder of the test module's `MODEL`."""
+    return built_or_skip(request.module.MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="module")
+def models(model_path):
+    """(reference, policy) of `perturbed_pair`: loaded once for the module, freed after it."""
+    pair = perturbed_pair(model_path)
+    yield pair
+    del pair
+    gc.collect()
+
+
 def perturbed_pair(model_path: str):
     """(reference, policy): the built model, and a copy moved slightly off it so that every log-ratio is non-zero."""
     from transformers import AutoModelForCausalLM

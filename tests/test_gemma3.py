@@ -39,7 +39,9 @@ from datasets import Dataset
 from trl import DPOTrainer
 
 import pretrained_builds
-from pretrained_builds import assert_exact, assert_nothing_cached, built_or_skip, empty_cache  # noqa: F401 - a fixture
+from pretrained_builds import (  # noqa: F401 - fixtures
+    assert_exact, assert_nothing_cached, empty_cache, model_path, models, tokenizer,
+)
 from tiny import first_batch, loss_and_grads
 from trl_pruned_dpo import PrunedDPOTrainer
 from trl_pruned_dpo.demo import pretrained, resolve_model
@@ -52,28 +54,7 @@ trainer = functools.partial(pretrained_builds.make_trainer, pairs=PAIRS)
 step = functools.partial(pretrained_builds.step, n=PAIRS)
 
 
-# --- the model -------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    return built_or_skip(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-@pytest.fixture(scope="module")
-def models(model_path):
-    """(reference, policy), 2.1 GB together: loaded once for the module, freed after it."""
-    pair = pretrained_builds.perturbed_pair(model_path)
-    yield pair
-    del pair
-    gc.collect()
+# --- the model (model_path, tokenizer, models: pretrained_builds' fixtures for MODEL) ---------------------------------
 
 
 def test_saved_folder_is_plain_fp32_gemma3_with_trls_template(model_path, tokenizer):

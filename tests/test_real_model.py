@@ -32,7 +32,9 @@ from datasets import Dataset
 from trl import DPOTrainer
 
 import pretrained_builds
-from pretrained_builds import assert_exact, assert_nothing_cached, built_or_skip, empty_cache  # noqa: F401 - a fixture
+from pretrained_builds import (  # noqa: F401 - fixtures
+    assert_exact, assert_nothing_cached, empty_cache, model_path, models, tokenizer,
+)
 from trl_pruned_dpo import PrunedDPOTrainer
 from trl_pruned_dpo.demo import pretrained, resolve_model
 from trl_pruned_dpo.demo.realtext import QUESTIONS, make_splits, sections
@@ -45,25 +47,7 @@ trainer = functools.partial(pretrained_builds.make_trainer, pairs=PAIRS)
 step = functools.partial(pretrained_builds.step, n=PAIRS)
 
 
-# --- the model and the data ------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    return built_or_skip(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-@pytest.fixture(scope="module")
-def models(model_path):
-    """(reference, policy): the built model, and a copy moved slightly off it so that every log-ratio is non-zero."""
-    return pretrained_builds.perturbed_pair(model_path)
+# --- the model and the data (model_path, tokenizer, models: pretrained_builds' fixtures for MODEL) -------------------
 
 
 @pytest.fixture(scope="module")
