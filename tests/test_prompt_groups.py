@@ -12,9 +12,11 @@ import torch
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
-from conftest import SAVINGS_OFF, build_trainer, first_batch
+from conftest import build_trainer, first_batch
 from test_packed import assert_exact
-from test_share_prompt import _host, assert_same_loss_and_grads, llama, tiny_qwen2
+from test_share_prompt import (
+    PRUNINGS, _host, assert_same_loss_and_grads, assert_shared_estimate_is_unshared, llama, tiny_qwen2,
+)
 from test_unbiased import max_z
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import draw_branches, draw_masks, identical_rows, mask_generator
@@ -108,26 +110,11 @@ def test_tokens_are_the_arithmetic(tokenizer):
             assert group.position_ids[0, seen].tolist() == list(range(col + 1))
 
 
-PRUNINGS = {
-    "position+prefix": dict(position_keep_prob=0.5, prefix_prune_prob=0.5),
-    "branch-paired": dict(branch_keep_prob=0.5),
-    "all-independent": dict(branch_keep_prob=0.6, branch_sampling="independent", position_keep_prob=0.7,
-                            prefix_prune_prob=0.5, prefix_min_ratio=0.3),
-    "common-prefix": dict(prune_common_prefix=True, branch_keep_prob=0.5, prune_reference=False),
-}
-
-
 @pytest.mark.parametrize("checkpointing", [True, False])
 @pytest.mark.parametrize("pruning", PRUNINGS, ids=list(PRUNINGS))
 def test_groups_stacked_with_pruning_same_estimate(pruning, checkpointing, tokenizer, tmp_path):
     """Same seed, same masks: the prompt-group execution gives the unshared pruned estimate (loss and gradient)."""
-    data = Dataset.from_list(ROWS)
-    kw = dict(per_device_train_batch_size=BATCH, gradient_checkpointing=checkpointing, **PRUNINGS[pruning])
-    unshared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "u", **kw, **SAVINGS_OFF)
-    grouped = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "g", **kw)
-    for _ in range(3):  # three micro-steps: three different draws
-        assert_same_loss_and_grads(unshared, grouped, batch_size=BATCH)
-        assert grouped.last_prune_stats["policy_tokens_executed"] < unshared.last_prune_stats["policy_tokens_executed"]
+    assert_shared_estimate_is_unshared(ROWS, BATCH, PRUNINGS[pruning], checkpointing, tokenizer, tmp_path)
 
 
 def test_a_repeated_response_is_one_branch(tokenizer):

@@ -105,12 +105,18 @@ PRUNINGS = {
 @pytest.mark.parametrize("pruning", PRUNINGS, ids=list(PRUNINGS))
 def test_stacked_with_pruning_same_estimate(pruning, checkpointing, tokenizer, tmp_path):
     """Same seed, same masks: the shared execution gives the unshared pruned estimate exactly (loss and gradient)."""
-    data = Dataset.from_list(edge_rows())
-    kw = dict(per_device_train_batch_size=8, gradient_checkpointing=checkpointing, **PRUNINGS[pruning])
+    assert_shared_estimate_is_unshared(edge_rows(), 8, PRUNINGS[pruning], checkpointing, tokenizer, tmp_path, SHARED)
+
+
+def assert_shared_estimate_is_unshared(rows, batch, pruning, checkpointing, tokenizer, tmp_path, savings=None):
+    """Over three micro-steps (three draws), the shared execution (the defaults, or `savings`) gives the unshared
+    estimate's loss and gradients, executing fewer policy tokens."""
+    data = Dataset.from_list(rows)
+    kw = dict(per_device_train_batch_size=batch, gradient_checkpointing=checkpointing, **pruning)
     unshared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "u", **kw, **SAVINGS_OFF)
-    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "s", **SHARED, **kw)
-    for _ in range(3):  # three micro-steps: three different draws
-        assert_same_loss_and_grads(unshared, shared)
+    shared = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path / "s", **(savings or {}), **kw)
+    for _ in range(3):
+        assert_same_loss_and_grads(unshared, shared, batch_size=batch)
         assert shared.last_prune_stats["policy_tokens_executed"] < unshared.last_prune_stats["policy_tokens_executed"]
 
 
