@@ -48,9 +48,15 @@ def _log(message: str):
     print(f"[{datetime.datetime.now():%H:%M:%S}] {message}", flush=True)
 
 
+# `auto`'s rules, for its cells' keys: a rule change runs them anew (the report keeps a cell's latest record).
+# "adapters keep branches": on LoRA runs branch_keep_prob="auto" neither probes nor prunes branches (auto.py).
+AUTO_RULES = "adapters keep branches"
+
+
 def cell_key(model: str, task: str, setting: str, seed: int, spec: ModelSpec, plan: RunPlan) -> str:
     """What determines a cell's result: a change to any of these runs it anew."""
-    return store.fingerprint(model, task, setting, SETTINGS[setting], seed, asdict(spec), asdict(plan))
+    rules = (AUTO_RULES,) if setting == "auto" else ()
+    return store.fingerprint(model, task, setting, SETTINGS[setting], seed, asdict(spec), asdict(plan), *rules)
 
 
 def stored(path: Path) -> list[dict]:

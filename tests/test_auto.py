@@ -549,3 +549,43 @@ def test_where_nothing_will_be_pruned_only_the_blocks_around_a_probe_are_measure
         assert {k for b, k in kinds.items() if b not in exact and k != "branch"} == {"choice"}
         probs.futile = []
         assert {probs.kind(block * per_block) for block in range(6, 200)} == {"exact", "branch"}
+
+
+def test_adapter_training_never_probes_branches(tokenizer, far_dataset, tmp_path, caplog):
+    """On adapter (PEFT) training `branch_keep_prob="auto"` keeps every branch at every step, probes included, and
+    says so once (the real-model study: branch pruning never paid on a LoRA run; docs/quality.md). The position family
+    is still auto."""
+    from peft import LoraConfig
+    from transformers.utils import logging as hf_logging
+
+    from conftest import BASE_ARGS, tiny_model
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(auto, "head_share", lambda config: 0.3)  # position pruning can save MIN_GAIN
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            args = PrunedDPOConfig(**{**BASE_ARGS, "output_dir": str(tmp_path), "per_device_train_batch_size": 8,
+                                      "max_steps": 12, "branch_keep_prob": "auto", "position_keep_prob": "auto",
+                                      "use_cpu": True, "logging_steps": 1})
+            lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+            trainer = PrunedDPOTrainer(model=tiny_model(tokenizer), args=args, train_dataset=far_dataset,
+                                       processing_class=tokenizer, peft_config=lora)
+        notes = [r.getMessage() for r in caplog.records if "adapter (PEFT)" in r.getMessage()]
+        assert len(notes) == 1, notes
+        assert trainer.auto_keep_probs.families == ["position"]
+        kinds = []
+        forward = trainer.concatenated_forward
+
+        def recording(model, inputs):
+            outputs = forward(model, inputs)
+            kinds.append(bool(trainer.last_micro_step.masks.backprop.all()))
+            return outputs
+
+        trainer.concatenated_forward = recording
+        trainer.train()
+    finally:
+        monkey.undo()
+        hf_logging.disable_propagation()
+    assert len(kinds) == 12 and all(kinds)
+    assert "position" in [trainer.auto_keep_probs.kind(step) for step in range(12)]  # position is still probed
