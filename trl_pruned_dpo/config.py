@@ -76,7 +76,10 @@ class PrunedDPOConfig(DPOConfig):
             steps, with probe steps at 1/2; first decision by step 8), and picks the probabilities that minimise the
             expected time to a given loss among those predicted to cost at most 5% more steps at 90% upper bounds
             of the measured noise (trl_pruned_dpo/auto.py); where none saves 5%, it keeps everything. Near-copy pairs
-            always keep both branches. What it chose is in the run's summary; each step's value is logged as
+            always keep both branches. On adapter (PEFT, e.g. LoRA) training "auto" keeps every branch and never
+            probes them, saying so once: there a dropped branch saves little (the frozen base computes no weight
+            gradients) and on both real models studied branch pruning lost accuracy at equal time (docs/quality.md);
+            set a number to prune branches there. What it chose is in the run's summary; each step's value is logged as
             `prune/branch_keep_prob` and `prune/position_keep_prob` with `prune_log_level="debug"`.
         branch_sampling (`str`, *optional*, defaults to `"paired"`):
             `"paired"`: the two branches of a pair are drawn together (at 0.5, exactly one per pair; fixed cost).
