@@ -13,7 +13,7 @@ from trl_pruned_dpo import auto
 from trl_pruned_dpo.method import noise
 from trl_pruned_dpo.method.masks import draw_branches, draw_masks, draw_positions
 
-from conftest import build_trainer, preference_rows
+from conftest import build_trainer, preference_rows, tiny_model
 
 
 def _batch(pairs=6, cols=14, seed=0):
@@ -551,41 +551,22 @@ def test_where_nothing_will_be_pruned_only_the_blocks_around_a_probe_are_measure
         assert {probs.kind(block * per_block) for block in range(6, 200)} == {"exact", "branch"}
 
 
-def test_adapter_training_never_probes_branches(tokenizer, far_dataset, tmp_path, caplog):
+def test_adapter_training_never_probes_branches(tokenizer, far_dataset, tmp_path, monkeypatch, caplog):
     """On adapter (PEFT) training `branch_keep_prob="auto"` keeps every branch at every step, probes included, and
     says so once (the real-model study: branch pruning never paid on a LoRA run; docs/quality.md). The position family
     is still auto."""
-    from peft import LoraConfig
-    from transformers.utils import logging as hf_logging
+    from peft import LoraConfig, get_peft_model
 
-    from conftest import BASE_ARGS, tiny_model
-
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr(auto, "head_share", lambda config: 0.3)  # position pruning can save MIN_GAIN
-    hf_logging.enable_propagation()
-    try:
-        with caplog.at_level("WARNING"):
-            args = PrunedDPOConfig(**{**BASE_ARGS, "output_dir": str(tmp_path), "per_device_train_batch_size": 8,
-                                      "max_steps": 12, "branch_keep_prob": "auto", "position_keep_prob": "auto",
-                                      "use_cpu": True, "logging_steps": 1})
-            lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-            trainer = PrunedDPOTrainer(model=tiny_model(tokenizer), args=args, train_dataset=far_dataset,
-                                       processing_class=tokenizer, peft_config=lora)
-        notes = [r.getMessage() for r in caplog.records if "adapter (PEFT)" in r.getMessage()]
-        assert len(notes) == 1, notes
-        assert trainer.auto_keep_probs.families == ["position"]
-        kinds = []
-        forward = trainer.concatenated_forward
-
-        def recording(model, inputs):
-            outputs = forward(model, inputs)
-            kinds.append(bool(trainer.last_micro_step.masks.backprop.all()))
-            return outputs
-
-        trainer.concatenated_forward = recording
-        trainer.train()
-    finally:
-        monkey.undo()
-        hf_logging.disable_propagation()
-    assert len(kinds) == 12 and all(kinds)
+    monkeypatch.setattr(auto, "head_share", lambda config: 0.3)  # position pruning can save MIN_GAIN
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    record = []
+    with caplog.at_level("WARNING"):
+        trainer = _train(tokenizer, far_dataset, tmp_path, record, model=get_peft_model(tiny_model(tokenizer), lora),
+                         ref_model=None, position_keep_prob="auto", per_device_train_batch_size=8,
+                         gradient_accumulation_steps=1)
+    notes = [r.getMessage() for r in caplog.records if "adapter (PEFT)" in r.getMessage()]
+    assert len(notes) == 1, notes
+    assert trainer.auto_keep_probs.families == ["position"]
+    trainer.train()
+    assert len(record) == 12 and all(all(backprop) for *_, backprop, _ in record)
     assert "position" in [trainer.auto_keep_probs.kind(step) for step in range(12)]  # position is still probed

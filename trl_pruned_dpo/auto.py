@@ -19,6 +19,7 @@ import math
 
 import torch
 from transformers import TrainerCallback
+from transformers.utils import logging
 
 from .reference import host_batch
 from .method.masks import pair_overlap, per_pair_branch_probs
@@ -62,7 +63,10 @@ class AutoKeepProbs(TrainerCallback):
         # backward through the frozen base computes activation gradients only, so a dropped branch saves about one
         # forward of its response while its probe steps, at 1/2, cost held-out accuracy the run does not win back
         # (docs/quality.md: 0.93x and 1.11x the exact step, -12 and -26 points, on both real models): not probed.
-        self.branch_on_adapters = args.branch_keep_prob == "auto" and adapters
+        if args.branch_keep_prob == "auto" and adapters:
+            logging.get_logger(__name__).warning(
+                'branch_keep_prob="auto" keeps every branch on adapter (PEFT) training: a dropped branch saves little '
+                "there and its probes cost accuracy (docs/quality.md). Set a number to prune branches.")
         wanted = {"branch": args.branch_keep_prob == "auto" and not adapters,
                   "position": args.position_keep_prob == "auto" and self.head >= 2 * MIN_GAIN}
         self.families = [family for family, on in wanted.items() if on]

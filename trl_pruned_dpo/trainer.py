@@ -101,14 +101,9 @@ class PrunedDPOTrainer(DPOTrainer):
             self.data_collator = pruned_collator(self.data_collator, args, self.train_dataset)
         if args.auto_keep_probs:
             from accelerate.utils import is_peft_model
-            from transformers.utils import logging
 
             policy = self.accelerator.unwrap_model(self.model)
             self._auto = AutoKeepProbs(args, policy.config, self, adapters=is_peft_model(policy))
-            if self._auto.branch_on_adapters:
-                logging.get_logger(__name__).warning(
-                    'branch_keep_prob="auto" keeps every branch on adapter (PEFT) training: a dropped branch saves '
-                    "little there and its probes cost accuracy (docs/quality.md). Set a number to prune branches.")
             # It reads the gradient norms of each step (auto.py).
             self.add_callback(self._auto)
 
