@@ -62,7 +62,7 @@ class AutoKeepProbs(TrainerCallback):
         # A family that cannot save MIN_GAIN is neither probed nor chosen. Branches on adapter (PEFT) training: the
         # backward through the frozen base computes activation gradients only, so a dropped branch saves about one
         # forward of its response while its probe steps, at 1/2, cost held-out accuracy the run does not win back
-        # (docs/quality.md: 0.93x and 1.11x the exact step, -12 and -26 points, on both real models): not probed.
+        # (docs/quality.md: 0.93x and 1.15x the exact step, -12 and -26 points, on both real models): not probed.
         if args.branch_keep_prob == "auto" and adapters:
             logging.get_logger(__name__).warning(
                 'branch_keep_prob="auto" keeps every branch on adapter (PEFT) training: a dropped branch saves little '
