@@ -79,7 +79,7 @@ def measure(spec: dict, abort=None) -> dict:
     trainer = build_trainer(
         spec["side"], w, build_model(w, dtype),
         precompute=spec["precompute"], checkpointing=spec["checkpointing"], pruning=spec.get("pruning"),
-        device=device, bf16=spec.get("bf16", False),
+        device=device, bf16=spec.get("bf16", False), lora_r=spec.get("lora_r", 0),
     )
     runner = StepRunner(trainer)
     if spec.get("warmup") == "optimizer":
@@ -112,6 +112,7 @@ def measure(spec: dict, abort=None) -> dict:
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated() / 2**20)
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 2**20
+    trainable = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad) / 2**20
     return {
         "rss_start_mb": rss_start,
         "baseline_mb": baseline,
@@ -120,6 +121,7 @@ def measure(spec: dict, abort=None) -> dict:
         "working_mb": max(peaks) - baseline,
         "working_mb_steps": [p - baseline for p in peaks],
         "params_mb": params,
+        "trainable_mb": trainable,
         "cpu_s": time.process_time() - started,
     }
 
@@ -249,7 +251,7 @@ def crossing(points: dict[int, float], budget_mb: float) -> float | None:
 
 
 def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: int, bisect: int, log,
-          save=lambda rows: None, shape: str = "uniform") -> list[dict]:
+          save=lambda rows: None, shape: str = "uniform", lora_r: int = 0) -> list[dict]:
     """Per side: each length in turn (a point predicted over the budget is skipped, and every longer one), then
     `bisect` halvings between the longest length that fit and the shortest that did not (multiples of 64).
 
@@ -273,15 +275,15 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
 
                 spec = dict(workload=asdict(w), side="stock" if pruning is None else "pruned", pruning=pruning,
                             precompute=False, checkpointing=True, device="cpu", warmup="optimizer", steps=1,
-                            threads=1,
-                            cap_mb=budget_mb)
+                            threads=1, lora_r=lora_r, cap_mb=budget_mb)
                 started = time.time()
                 result = server.measure(spec)
                 row.update(wall_s=time.time() - started)
                 if result.get("ok"):
                     peak = result["peak_mb"] - result["rss_start_mb"]
                     row.update(status="fits" if peak <= budget_mb else "over budget", peak_mb=peak,
-                               working_mb=result["working_mb"], build_mb=result["build_mb"], cpu_s=result["cpu_s"])
+                               working_mb=result["working_mb"], build_mb=result["build_mb"], cpu_s=result["cpu_s"],
+                               params_mb=result["params_mb"], trainable_mb=result["trainable_mb"])
                     points[length] = peak
                     (fits if peak <= budget_mb else over).append(length)
                 elif result.get("over_cap"):
@@ -407,13 +409,15 @@ def main(argv=None):
     parser.add_argument("--shape", default="uniform", choices=["uniform", "ultrafeedback", "hh"],
                         help="uniform rows (30%% prompt, no padding), or a workload's ragged lengths truncated at L")
     parser.add_argument("--bisect", type=int, default=3, help="halvings toward the longest length that fits")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="train a LoRA adapter of rank R (the reference: the adapter off) instead of every weight")
     parser.add_argument("--out", help="output folder (default benchmarks/results/memory_length_<model>_cpu)")
     args = parser.parse_args(argv)
     from benchmarks.workload import machine_info
 
     budget_mb = (args.budget_gib or (8.0 if args.model else 4.0)) * 1024
     label = os.path.basename(args.model.rstrip("/")).replace("builtin:", "") if args.model else "bench"
-    suffix = "" if args.shape == "uniform" else f"_{args.shape}"
+    suffix = ("" if args.shape == "uniform" else f"_{args.shape}") + (f"_lora{args.lora}" if args.lora else "")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"memory_length_{label}{suffix}_cpu")
 
@@ -424,7 +428,8 @@ def main(argv=None):
     meta = dict(model=args.model or "bench model (workload.MODEL_SHAPE, vocab 8192)", model_label=label,
                 pairs=args.pairs, lengths=args.lengths, budget_mb=budget_mb, prompt_share=PROMPT_SHARE,
                 shape=args.shape,
-                checkpointing=True, reference="live", threads=1, started=time.strftime("%Y-%m-%d %H:%M"),
+                checkpointing=True, reference="the adapter off" if args.lora else "live", lora_r=args.lora, threads=1,
+                started=time.strftime("%Y-%m-%d %H:%M"),
                 machine=machine_info("cpu", 1))
     os.makedirs(out, exist_ok=True)
 
@@ -435,7 +440,7 @@ def main(argv=None):
 
     with MemoryServer() as server:
         rows = sweep(server, model=args.model, lengths=args.lengths, budget_mb=budget_mb, pairs=args.pairs,
-                     bisect=args.bisect, log=log, save=save, shape=args.shape)
+                     bisect=args.bisect, log=log, save=save, shape=args.shape, lora_r=args.lora)
     save(rows)
     print(length_table(rows))
     try:

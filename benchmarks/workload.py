@@ -384,6 +384,10 @@ def build_model(w: Workload, dtype=torch.float32, *, attn: str | None = None, de
     return model.to(dtype)
 
 
+# LoRA's targets with `lora_r` (the real-model study's: evaluation/real_run.py, ModelSpec).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def build_trainer(
     side: str,
     w: Workload,
@@ -398,12 +402,14 @@ def build_trainer(
     ref_model=None,
     learning_rate: float = 1e-6,
     dataset=None,
+    lora_r: int = 0,
 ):
     """`side` is "stock" (TRL's `DPOTrainer` + `DPOConfig`) or "pruned" (`PrunedDPOTrainer` + `PrunedDPOConfig`).
 
     `model` is this side's own copy; the reference is `ref_model`, else a (perturbed) deep copy of it (live
     reference), or none with `precompute_ref_log_probs=True` (then TRL precomputes with the policy itself, as it does
-    for users). `dataset`: the pairs (default: `build_dataset(w)`).
+    for users). `dataset`: the pairs (default: `build_dataset(w)`). `lora_r` > 0: a LoRA adapter of that rank on every
+    projection (the real-model study's), the reference being the policy with its adapter off (TRL: no copy).
     """
     from trl import DPOConfig, DPOTrainer
 
@@ -441,7 +447,13 @@ def build_trainer(
         # nothing pruned or saved (the `none` row): time the plugin's forward, not the TRL path it delegates to
         trainer_cls = PrunedDPOTrainer if uses_pruned_forward(args) else _plugin_forward_trainer()
     model = model.to(device)
-    if precompute:
+    peft = {}
+    if lora_r:
+        from peft import LoraConfig
+
+        peft = dict(peft_config=LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                           target_modules=list(LORA_TARGETS)))
+    if precompute or lora_r:
         ref_model = None
     elif ref_model is None:
         ref_model = perturbed_copy(model, w.reference_noise, w.seed)
@@ -451,6 +463,7 @@ def build_trainer(
         args=args,
         train_dataset=build_dataset(w) if dataset is None else dataset,
         processing_class=load_tokenizer(w),
+        **peft,
     )
 
 

@@ -298,7 +298,7 @@ def test_memory_sweep_skips_and_bisects():
             if peak > spec["cap_mb"]:
                 return {"ok": False, "over_cap": True, "stopped_at_mb": 1000 + peak, "rss_start_mb": 1000}
             return {"ok": True, "peak_mb": 1000 + peak, "rss_start_mb": 1000, "working_mb": peak / 2, "build_mb": 1,
-                    "cpu_s": 0.1}
+                    "cpu_s": 0.1, "params_mb": 10, "trainable_mb": 10}
 
     server = Fake()
     rows = memory.sweep(server, model="", lengths=[512, 1024, 2048, 4096], budget_mb=260, pairs=8, bisect=3,
@@ -311,19 +311,22 @@ def test_memory_sweep_skips_and_bisects():
     assert "over (predicted" in memory.length_table(rows)
 
 
-@pytest.mark.parametrize("shape", ["uniform", "ultrafeedback"])
-def test_memory_length_smoke_run(tmp_path, shape):
-    """`python -m benchmarks.memory` end to end at tiny lengths (uniform rows, and ragged rows truncated at L): a
-    measured point per side, the table and the plot."""
+@pytest.mark.parametrize("shape,lora", [("uniform", []), ("ultrafeedback", ["--lora", "4"])])
+def test_memory_length_smoke_run(tmp_path, shape, lora):
+    """`python -m benchmarks.memory` end to end at tiny lengths (uniform rows, and ragged rows truncated at L, there
+    with a LoRA adapter): a measured point per side, the table and the plot."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     lengths = ["32", "64"] if shape == "uniform" else ["32"]  # one point per side is enough for the ragged rows
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.memory", "--lengths", *lengths, "--pairs", "1", "--bisect", "0",
-         "--shape", shape, "--out", str(tmp_path)],
+         "--shape", shape, *lora, "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "memory_length.json").read_text())
+    assert data["meta"]["lora_r"] == (4 if lora else 0)
+    trained = {r["trainable_mb"] / r["params_mb"] for r in data["results"] if "peak_mb" in r}
+    assert all(share < 0.2 for share in trained) if lora else trained == {1.0}  # the adapter alone, or every weight
     measured = [r for r in data["results"] if "peak_mb" in r]
     assert {r["side"] for r in measured} == {"stock", "exact"} and all(r["peak_mb"] > 0 for r in measured)
     assert "| 32 |" in proc.stdout and "Longest length" in proc.stdout

@@ -106,7 +106,7 @@ def test_pair_shared_masks_keep_the_trainer_marginals():
     assert float(mean[~response].abs().max()) == 0.0
 
 
-# Every setting of the regimes tables and of the `auto` rows (docs/quality.md), and every regime. All stages (runs,
+# Every setting of the regimes tables and of the `auto` rows (docs/quality.md), in one regime. All stages (runs,
 # gradients, timing, report) for the first two; training runs (what the tables read) for the rest.
 REGIMES_SETTINGS = ["stock", "auto_cp"]
 REGIMES_TRAINED = ["common_prefix", "branch_cp", "position_cp", "prefix_cp", "combined_cp", "auto_share_cp",
@@ -115,9 +115,10 @@ REGIMES_TRAINED = ["common_prefix", "branch_cp", "position_cp", "prefix_cp", "co
 
 def test_regimes_quick_smoke(tmp_path, capsys):
     """The regimes study (evaluation/regimes.py) at tiny sizes: runs, noise diagnostics, step timing and the report
-    section; the training runs of every other setting; `auto_rows` on its folder; a run in each other regime."""
+    section; the training runs of every other setting; `auto_rows` on its folder; the other regimes' data (a regime
+    is its pairs: the same runs read them)."""
     from evaluation import auto_rows
-    from evaluation.regimes import REGIME_NAMES
+    from evaluation.regimes import REGIME_NAMES, Regimes
 
     out = tmp_path / "regimes"
     env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
@@ -156,9 +157,15 @@ def test_regimes_quick_smoke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert all(f"  {name:12s} seeds [0]" in printed for name in ("auto_cp", "auto_cp_acc2", "branch_cp")), printed
 
-    others = [r for r in REGIME_NAMES if r != "dissimilar"]
-    regimes("--stage", "train", "--steps", "1", "--regimes", *others, "--settings", "stock")
-    assert all((out / f"{regime}-b8" / "runs" / "stock-s0.json").is_file() for regime in others)
+    study, seen = Regimes(out, quick=True), set()
+    for regime in REGIME_NAMES:
+        splits = study.splits(regime)
+        seen.add(repr(splits))
+        assert len(splits["train"]) == study.n_train and len(splits["test"]) == study.n_test, regime
+        assert all({"prompt", "chosen", "rejected"} <= set(row) and row["chosen"] != row["rejected"]
+                   for rows in splits.values() for row in rows), regime
+    assert len(seen) == len(REGIME_NAMES)  # each regime its own pairs
+
 
 
 def test_auto_tools_smoke(tmp_path, monkeypatch, capsys):
