@@ -12,7 +12,8 @@ re-running skips what is stored and an interrupted study resumes at the next cel
 move (run it under `nice` on a shared machine: niceness changes wall time only).
 
 Models (MODELS): SmolLM2-135M-Instruct (an instruct model: DPO from it directly) and Gemma 3 270M (a base model: a
-short SFT warm start on the task's chosen answers first, cached once per task), both with LoRA. Tasks (TASKS): the two
+short SFT warm start on the task's chosen answers first, cached once per task), both with LoRA; and SmolLM2 with full
+fine-tuning (`smollm2-full`). Tasks (TASKS): the two
 real-text built-ins of trl_pruned_dpo/demo/realtext.py. Settings (SETTINGS): stock, the exact preset, the exact preset
 plus each of the paper's three estimators at 0.5 and all three, and `auto`.
 """
@@ -30,12 +31,15 @@ from .real_run import SETTINGS, ModelSpec, RunPlan
 
 MODELS = {
     "smollm2": ModelSpec(path="builtin:smollm2-135m-instruct", pairs=4, learning_rate=1e-3),
+    # Full fine-tuning (every weight, Adam; the reference a frozen copy): where the paper's branch-pruning limit applies.
+    "smollm2-full": ModelSpec(path="builtin:smollm2-135m-instruct", pairs=4, learning_rate=1e-5, lora_r=0),
     "gemma3": ModelSpec(path="builtin:gemma3-270m", pairs=4, learning_rate=1e-3,
                         warm_start={"steps": 60, "batch_size": 4, "learning_rate": 2e-5, "warmup": 5}),
     # The smoke test's: the demo's 2-layer random init, a base model, so the warm-start path runs too.
     "tiny": ModelSpec(path="builtin:tiny-demo", pairs=2, learning_rate=1e-3, max_length=512,
                       lora_targets=("q_proj", "v_proj"), warm_start={"steps": 2, "batch_size": 2,
                                                                       "learning_rate": 1e-3, "warmup": 1}),
+    "tiny-full": ModelSpec(path="builtin:tiny-demo", pairs=2, learning_rate=1e-4, max_length=512, lora_r=0),
 }
 TASKS = {"python-docs": "builtin:python-docs", "python-docstrings": "builtin:python-docstrings"}
 PLANS = {"study": RunPlan(steps=20, evals=(10, 20), eval_pairs=224, curve_pairs=64),
@@ -102,7 +106,8 @@ def run_grid(models, tasks, settings, seeds, plan: RunPlan, store_path: Path, wo
                                    log=_log)
                 record = {"key": cell_key(model, task, setting, seed, spec, plan), "model": model, "task": task,
                           "setting": setting, "seed": seed, "plan": steps_name, "steps": plan.steps,
-                          "pairs": spec.pairs, "eval_pairs": len(eval_rows), "reference_cpu": reference.get("cpu"),
+                          "pairs": spec.pairs, "training": f"LoRA r{spec.lora_r}" if spec.lora_r else "full",
+                          "eval_pairs": len(eval_rows), "reference_cpu": reference.get("cpu"),
                           "commit": store.commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                               timespec="seconds"), **result}
                 append(store_path, record)
@@ -126,7 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report", action="store_true", help="write the tables and the plot from the store")
     parser.add_argument("--docs", type=Path, default=store.REPO / "docs",
                         help="where --report writes img/real_models.png and updates quality.md")
-    parser.add_argument("--smoke", action="store_true", help="the tiny built-in model, every setting, 2 steps")
+    parser.add_argument("--smoke", action="store_true", help="the tiny built-in model (`--models tiny-full`: full "
+                        "fine-tuning), every setting, 2 steps")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -138,7 +144,8 @@ def main(argv=None) -> int:
         write_report(stored(args.store), sys.stdout, args.docs)
         return 0
     if args.smoke:
-        plan, name, models, tasks, seeds = PLANS["smoke"], "smoke", ["tiny"], args.tasks, args.seeds[:1]
+        models = [m for m in args.models if m.startswith("tiny")] or ["tiny"]
+        plan, name, tasks, seeds = PLANS["smoke"], "smoke", args.tasks, args.seeds[:1]
     else:
         plan, name, models, tasks, seeds = PLANS["study"], "study", args.models, args.tasks, args.seeds
         if args.steps:

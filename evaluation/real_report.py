@@ -100,7 +100,8 @@ def table(model: str, task: str, runs: dict) -> str:
     exact = statistics.median(rows["exact"]["step_cpu"]) if "exact" in rows else None
     any_row = next(iter(runs.values()))[0]
     curve_pairs = any_row["curve"][1].get("pairs") if len(any_row["curve"]) > 2 else any_row["eval_pairs"]
-    lines = [f"**{model} x {task}**: {any_row['steps']} steps of {any_row['pairs']} pairs, LoRA; equal steps: "
+    training = "full fine-tuning" if any_row.get("training") == "full" else "LoRA"
+    lines = [f"**{model} x {task}**: {any_row['steps']} steps of {any_row['pairs']} pairs, {training}; equal steps: "
              f"{any_row['eval_pairs']} held-out pairs; curves (equal CPU time, time to stock's accuracy): the first "
              f"{curve_pairs} of them at steps {', '.join(str(p['step']) for p in any_row['curve'][1:])}; equal CPU "
              f"time = {budget:.0f} s of training CPU (the fastest setting's median for those steps). Median over "

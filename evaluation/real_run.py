@@ -20,6 +20,7 @@ Held-out reward accuracy here counts a tie as half a win (TRL's `rewards/accurac
 puts step 0 at 0.0 instead of the coin flip it is); after one step there are no ties.
 """
 
+import contextlib
 import hashlib
 import json
 import random
@@ -56,12 +57,12 @@ LABELS = {"stock": "stock DPOTrainer", "exact": "exact preset", "branch": "exact
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model of the study and how it is trained (LoRA on every linear layer of its blocks)."""
+    """A model of the study and how it is trained (LoRA on every linear layer of its blocks, or every weight)."""
 
     path: str  # a builtin: name or a folder
     pairs: int = 4  # pairs per optimizer step
     learning_rate: float = 1e-3
-    lora_r: int = 16
+    lora_r: int = 16  # 0: full fine-tuning, the reference a frozen copy of the starting model (TRL's)
     lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     warm_start: dict = field(default_factory=dict)  # SFT on the task's chosen answers first (`steps`, `batch_size`, ...)
     max_length: int = 256
@@ -220,7 +221,7 @@ def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | N
         model_init_kwargs={"dtype": torch.float32},
     )
     lora = LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=0.0,
-                      target_modules=list(spec.lora_targets), task_type="CAUSAL_LM")
+                      target_modules=list(spec.lora_targets), task_type="CAUSAL_LM") if spec.lora_r else None
     with tempfile.TemporaryDirectory(prefix="real_models_") as scratch:
         if setting is None:
             cls, args = stock_class, DPOConfig(output_dir=scratch, **common)
@@ -238,8 +239,9 @@ def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | N
 
         if "logps" not in reference_cache:
             began = cpu_seconds()
-            with trainer.model.disable_adapter():
-                reference_cache["logps"] = answer_log_probs(trainer.model, sequences, pad, plan.eval_batch)
+            with trainer.model.disable_adapter() if lora else contextlib.nullcontext():
+                reference = trainer.model if lora else trainer.ref_model
+                reference_cache["logps"] = answer_log_probs(reference, sequences, pad, plan.eval_batch)
             reference_cache["cpu"] = cpu_seconds() - began
             log(f"    reference log-probabilities of {len(sequences) // 2} held-out pairs: "
                 f"{reference_cache['cpu']:.0f} s CPU")

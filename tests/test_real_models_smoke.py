@@ -44,12 +44,21 @@ def test_real_models_smoke_every_setting_resumes_and_reports(tmp_path):
 
     assert "0 cell(s) run" in _run(tmp_path, "--smoke")  # resumed: every cell is stored
 
+    # Full fine-tuning (`tiny-full`): every weight trains against TRL's frozen copy; branch pruning and auto run there.
+    assert "3 cell(s) run" in _run(tmp_path, "--smoke", "--models", "tiny-full", "--settings", "stock", "branch",
+                                   "auto")
+    full = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()][len(records):]
+    assert [(r["model"], r["training"]) for r in full] == [("tiny-full", "full")] * 3
+    assert all(r["training"] == "LoRA r16" for r in records)
+    assert all(p["margin"] != 0.0 for r in full for p in r["curve"][1:])  # the policy moved off its reference
+
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "quality.md").write_text("# head\n<!-- real_models:begin (generated: python -m evaluation."
                                               "real_models --report) -->\nold\n<!-- real_models:end -->\ntail\n")
     report = _run(tmp_path, "--report", "--docs", str(docs))
     assert "| exact + auto" in report and "speed-up vs stock" in report
+    assert "**tiny-full x python-docs**: 2 steps of 2 pairs, full fine-tuning" in report
     headline = (docs / "quality.md").read_text()
     assert "old" not in headline and "| stock DPOTrainer |" in headline and headline.endswith("tail\n")
     assert (docs / "img" / "real_models.png").read_bytes()[:8] == PNG_MAGIC
