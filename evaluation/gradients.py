@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.seam import train_metrics
 
 from .prototypes import prototype_class
 from .settings import Setting
@@ -63,7 +64,7 @@ def _gradient(trainer, batch, step: int) -> tuple[torch.Tensor, int]:
     trainer.state.global_step = step
     loss = trainer.compute_loss(model, batch)
     loss.backward()
-    trainer._metrics["train"].clear()
+    train_metrics(trainer).clear()
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()])
     stats = getattr(trainer, "last_prune_stats", None)
     if stats:
@@ -170,7 +171,7 @@ def step_times(settings: list[Setting], policy_dir: str, rows, cfg, rounds: int,
                     trainer.optimizer.step()
                     trainer.optimizer.zero_grad(set_to_none=True)
                     elapsed += time.perf_counter() - started
-                    trainer._metrics["train"].clear()
+                    train_metrics(trainer).clear()
                 times[setting.name].append(elapsed / steps_per_round)
             step += steps_per_round
     stock = times[names[0]]
