@@ -237,7 +237,7 @@ def main(argv=None):
         if device == "cuda":
             torch.cuda.empty_cache()
     print("\n" + format_table(results))
-    from trl_pruned_dpo.method import attention  # which varlen kernel the packed rows ran, and whether it was refused
+    from trl_pruned_dpo.seam import attention  # which varlen kernel the packed rows ran, and whether it was refused
 
     verdicts = {f"{k[0].__name__.strip('_')} {k[2]} heads {k[3]}/{k[4]} dim {k[5]} {k[6]}": "used" if ok else "REFUSED"
                 for k, ok in attention._VERIFIED.items()}

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.workload import length_model
 from trl_pruned_dpo.method.masks import draw_masks, mask_generator
-from trl_pruned_dpo.method.plan import HostBatch, plan_policy, plan_reference, work_counts
+from trl_pruned_dpo.method.plan import HostBatch, Layout, plan_micro_step
 
 VOCAB = 32000
 SIZES = [(8, 1.25), (16, 2.5), (64, 2.4)]  # (pairs, length scale): ~8.9k, ~34k, ~142k real tokens
@@ -65,9 +65,8 @@ def plan_once(batch: HostBatch, share: bool = True) -> None:
     masks = draw_masks(host.input_ids, host.completion_mask, position_keep_prob=1.0, prefix_prune_prob=0.0,
                        prefix_min_ratio=0.5, branch_keep_prob=1.0, branch_sampling="paired", drop_common_prefix=False,
                        generator=mask_generator(0, 0, 0, 0), attention_mask=host.attention_mask)
-    plan_policy(host, masks, frozen_group=False, grad_cost=4.0, share=share, packed=True)
-    plan_reference(host, masks.scored, share, packed=True)
-    work_counts(host, masks)
+    plan_micro_step((0, 0), {}, host, masks, Layout(packed=True, share=share), prunes_branches=False, grad_cost=4.0,
+                    reference_scored=masks.scored)
 
 
 def measure(host: HostBatch, repeats: int) -> float:

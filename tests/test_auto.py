@@ -172,10 +172,9 @@ def _train(tokenizer, dataset, tmp_path, record=None, **overrides):
         forward = trainer.concatenated_forward
 
         def recording(model, inputs):
-            outputs = forward(model, inputs)
-            done = trainer.last_micro_step
+            done = forward(model, inputs)
             record.append((*done.step, done.masks.backprop.int().tolist(), done.masks.weights.sum().item()))
-            return outputs
+            return done
 
         trainer.concatenated_forward = recording
     return trainer
@@ -339,7 +338,7 @@ def _bare(families, single=False, batch=8):
     """An AutoKeepProbs without a trainer: the schedule and the decision from given running sums."""
     probs = object.__new__(auto.AutoKeepProbs)
     probs.families, probs.single, probs.batch, probs.head = families, single, batch, 0.0
-    probs.trainer, probs.floor = SimpleNamespace(state=SimpleNamespace(max_steps=1000)), 0.0
+    probs.max_steps, probs.floor = 1000, 0.0
     probs.load_state_dict(None)
     return probs
 

@@ -22,7 +22,7 @@ from test_packed import assert_exact, naive_varlen, windowed_varlen
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo import forward_choice
-from trl_pruned_dpo.method import attention
+from trl_pruned_dpo.seam import attention
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, head_dim=8)

@@ -346,10 +346,11 @@ def test_past_the_sliding_window_per_token_sums_loss_and_gradients(config, model
     _, policy = models
     plugin = trainer(PrunedDPOTrainer, models, tokenizer, long_pair(tokenizer), **config)
     with torch.no_grad():
-        per_token, reference_sums = plugin.concatenated_forward(policy, batch)
+        record = plugin.concatenated_forward(policy, batch)
+    per_token, reference_sums = record.per_token, record.reference
     PAIRS_RUN[plugin] = 1
     assert_packed(plugin)
-    scored = plugin.last_micro_step.masks.exact.cpu()  # the response (less the common prefix with prune_common_prefix)
+    scored = record.masks.exact.cpu()  # the response (less the common prefix with prune_common_prefix)
     if config.get("prune_common_prefix"):
         assert int(scored.sum()) < int(batch["completion_mask"][:, 1:].sum())  # the prefix really is skipped
 

@@ -3,8 +3,8 @@
 Read with `ast`, nothing imported; an import inside a function counts like one at the top (a lazy import that breaks
 a circle at run time is still a circle in the design). Layers, bottom to top:
 
-    config, errors, notices  <  method/  <  auto, reference, metrics, seam, sampler  <  safety/  <  trainer,
-    forward_choice, pruned_forward  <  cli/, trl_hook*
+    config, errors, notices  <  method/  <  auto, reference, seam/, sampler  <  safety/  <  pruned_forward  <
+    forward_choice, metrics  <  trainer  <  cli/, trl_hook*
 
 demo/ (the offline assets) sits beside the bottom layers and imports none of the package's training code.
 """
@@ -19,9 +19,11 @@ PACKAGE = "trl_pruned_dpo"
 LAYERS = [
     {"config", "errors", "notices"},
     {"method"},
-    {"auto", "reference", "metrics", "seam", "sampler"},
+    {"auto", "reference", "seam", "sampler"},
     {"safety"},
-    {"trainer", "forward_choice", "pruned_forward"},
+    {"pruned_forward"},
+    {"forward_choice", "metrics"},
+    {"trainer"},
     {"cli", "trl_hook", "trl_hook_startup", "__main__"},
 ]
 

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_pruned_dpo import seam
-from trl_pruned_dpo.method import attention
+from trl_pruned_dpo.seam import attention
 
 
 def _saved_bytes(fn, shapes: list | None = None) -> int:

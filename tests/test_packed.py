@@ -14,7 +14,7 @@ from trl import DPOConfig, DPOTrainer
 from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, tiny_model, train_and_compare_histories
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
-from trl_pruned_dpo.method import attention
+from trl_pruned_dpo.seam import attention
 from trl_pruned_dpo.method.plan import HostBatch, pair_trees, plan_group
 
 EAGER_ONLY = ("gemma2", "bloom", "mpt", "gpt_neo")  # no sdpa attention in transformers 5.24

@@ -17,7 +17,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from test_packed import assert_exact, family, naive_varlen, pair_of_trainers
-from trl_pruned_dpo.method import attention
+from trl_pruned_dpo.seam import attention
 
 
 def segment_kernel(visible):

@@ -18,7 +18,7 @@ from conftest import (
 from test_off_means_stock import assert_same_step
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import PruneMasks
-from trl_pruned_dpo.method.attention import PACKED
+from trl_pruned_dpo.seam.attention import PACKED
 from trl_pruned_dpo.method.plan import (
     HostBatch, common_tokens, pair_trees, plan_group, plan_policy, shared_is_cheaper,
 )
@@ -253,7 +253,7 @@ SYNC_METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__
 
 @pytest.mark.parametrize("share", [False, True])
 def test_one_sync_and_one_checkpointing_toggle_per_micro_step(share, tokenizer, dataset, tmp_path, monkeypatch):
-    """Device-side code (trainer.py, execute.py) converts a tensor to Python at most once per micro-step (the logged
+    """Device-side code (trainer.py, pruned_forward.py) converts a tensor to Python at most once per micro-step (the logged
     counts); the plan (plan.py, masks.py) reads host tensors only. Gradient checkpointing is toggled at most once."""
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path, share_prompt=share,
                             padding_free=False, branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5)
@@ -268,8 +268,9 @@ def test_one_sync_and_one_checkpointing_toggle_per_micro_step(share, tokenizer, 
 
             caller = sys._getframe(1).f_code.co_filename
             if caller.endswith(("trl_pruned_dpo/trainer.py", "trl_pruned_dpo/pruned_forward.py",
-                                "trl_pruned_dpo/forward_choice.py", "trl_pruned_dpo/method/execute.py",
-                                "trl_pruned_dpo/metrics.py", "trl_pruned_dpo/reference.py", "trl_pruned_dpo/seam.py")):
+                                "trl_pruned_dpo/forward_choice.py", "trl_pruned_dpo/seam/attention.py",
+                                "trl_pruned_dpo/metrics.py", "trl_pruned_dpo/reference.py",
+                                "trl_pruned_dpo/seam/__init__.py")):
                 calls.append((_name, sys._getframe(1).f_lineno))
             return _original(self, *args, **kwargs)
 

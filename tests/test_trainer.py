@@ -22,15 +22,15 @@ def train(trainer):
 
 
 def recorded_masks(trainer):
-    """Every micro-step's masks, keyed by (global step, micro-step), from its record (`last_micro_step`)."""
+    """Every micro-step's masks, keyed by (global step, micro-step), from its record (what `concatenated_forward`
+    returns)."""
     record = {}
     original = trainer.concatenated_forward
 
     def forward(model, inputs):
-        outputs = original(model, inputs)
-        done = trainer.last_micro_step
+        done = original(model, inputs)
         record[done.step] = (done.masks.scored.clone(), done.masks.backprop.clone())
-        return outputs
+        return done
 
     trainer.concatenated_forward = forward
     return record

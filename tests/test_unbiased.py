@@ -20,8 +20,8 @@ DRAWS, GRADIENT_DRAWS = 600, 400
 def log_ratio_sums(trainer, batch):
     """D^_b per row ([chosen; rejected]) from one draw of the trainer's pruned forward."""
     with torch.no_grad():
-        per_token, (ref_chosen, ref_rejected) = trainer.concatenated_forward(trainer.model, batch)
-    return per_token["log_probs"].sum(1) - torch.cat([ref_chosen, ref_rejected])
+        record = trainer.concatenated_forward(trainer.model, batch)
+    return record.per_token["log_probs"].sum(1) - torch.cat(record.reference)
 
 
 @contextlib.contextmanager

@@ -2,31 +2,34 @@
 
 Measured from squared gradient norms training computes anyway, at two batch sizes at the same parameters (McCandlish
 et al. 2018, App. A.1): each micro-batch's local gradient (parameter hooks; FSDP2: its unsharded parameters) and the
-step's accumulated, reduced pre-clip norm (the engine's `clip_grad_norm_`), or, without accumulation or a second
-process, two consecutive steps, B and 2B, less the mean gradient's drift between them, read from consecutive pairs
-(`.grad` before the clip, no hooks; one gradient-sized buffer, Eq. A4). Where nothing will be pruned, only the blocks
-around a (rare) probe are measured. method/noise.py estimates and chooses.
+step's accumulated, reduced pre-clip norm (the one transformers computes for clipping and logging), or, without
+accumulation or a second process, two consecutive steps, B and 2B, less the mean gradient's drift between them, read
+from consecutive pairs (`.grad` after the backward, before the clip, no hooks; one gradient-sized buffer, Eq. A4).
+Where nothing will be pruned, only the blocks around a (rare) probe are measured. method/noise.py estimates and
+chooses.
 
-A step's life: `options` (its first micro-step) decides from what earlier steps measured (`_decide`), then says what
-this step runs (`kind`); each micro-step adds its pairs and work (`options`, `add_work`) and, where the step is
-measured, its gradient's squared norm (`_on_grad`); the engine's clip reads the step's norm (and, on the B / 2B path,
-the pair's difference: `_read_pair`); `on_pre_optimizer_step` reduces the step's `StepMeasurement` over processes,
-to be folded into the running sums at the next decision (`_fold`).
+The trainer asks and hands over; nothing here reads the trainer. A step's life: `draw` (each micro-step; at
+micro-step 0 it first decides from what earlier steps measured, `_decide`) returns the micro-step's `AutoDraw`: the
+keep probabilities (per pair for branches: near-copies keep both), whether a branch can drop, and the run's means to
+log; `add_work` takes a micro-step's work counts; `after_backward` reads `.grad` on the B / 2B path; `end_step`
+takes the step's pre-clip norm and loss and reduces the step's `StepMeasurement` over processes, to be folded into
+the running sums at the next decision (`_fold`). `attach` and `detach` install and remove the gradient hooks.
 """
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from .reference import host_batch
 from .method.masks import pair_overlap, per_pair_branch_probs
 from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
     MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, branch_idle, choose,
     extra_noise, head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
 )
+from .method.plan import HostBatch, WorkCounts
 
 # Blocks between exact / half probes after the warm-up, and samples before a decision.
 PROBE_EVERY, MIN_SAMPLES = 16, 2
@@ -34,8 +37,25 @@ PROBE_EVERY, MIN_SAMPLES = 16, 2
 RARELY = 4
 # The keep probabilities (branch, position) of each kind of step; "choice" runs the last decision's.
 KIND_PROBS = {"exact": (1, 1), "branch": (0.5, 1), "position": (1, 0.5)}
-# A micro-step's work in the plan's token units: a token's forward counts 1, its backward 2.
-WORK_UNITS = (("policy", 1), ("grad", 2), ("reference", 1))
+
+
+def work_units(adapters: bool) -> dict[str, float]:
+    """A micro-step's work in the plan's token units: a token's forward counts 1, its backward 2 (full fine-tuning:
+    the input and the weight gradients), 1 with an adapter (the frozen base computes its input gradient only)."""
+    return {"policy_tokens_executed": 1.0, "grad_tokens_executed": 1.0 if adapters else 2.0,
+            "reference_tokens_executed": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoDraw:
+    """What "auto" chose for one micro-step's draw: `keep_probs` (the "auto" keywords of `masks.draw_masks`, the
+    branch one per pair), whether a branch can be dropped (`prunes_branches`, the same on every process; None where
+    branches are not "auto"), and the
+    (name, total, count) of the run's means this draw adds to (logged by metrics.py)."""
+
+    keep_probs: dict[str, float | torch.Tensor]
+    prunes_branches: bool | None
+    means: tuple[tuple[str, float, float], ...]
 
 
 @dataclasses.dataclass
@@ -47,40 +67,42 @@ class StepMeasurement:
     small_norm2: torch.Tensor | float | None = 0.0
     # B / 2B: |g_(t-1) - g_t|² on a pair's second step, or the link |g_(t-2) - g_t|² on a first step (Eq. A4).
     pair_diff2: torch.Tensor | float = 0.0
-    # The pairs drawn and the work done (WORK_UNITS) by its micro-steps.
+    # The pairs drawn and the work done (`work_units`) by its micro-steps.
     pairs: int = 0
     work: float = 0.0
-    # The pre-clip gradient norm, reduced and accumulated, as the engine's `clip_grad_norm_` returned it.
-    clip: torch.Tensor | None = None
 
 
 class AutoKeepProbs(TrainerCallback):
-    """Installed by the trainer: measures each step's norms, chooses, and says why (docs/method.md, "auto")."""
+    """Measures each step's norms, chooses the keep probabilities, and says why (docs/method.md, "auto"). A callback
+    only to attach its gradient hooks to the model as training wraps it, and to remove them."""
 
-    def __init__(self, args, model_config, trainer, adapters: bool = False):
-        self.trainer, self.args, self.head = trainer, args, head_share(model_config)
+    def __init__(self, args: Any, model_config: Any, adapters: bool = False):
+        self.head = head_share(model_config)
+        self.branch_auto = args.branch_keep_prob == "auto"
+        self.position_auto = args.position_keep_prob == "auto"
         # A family that cannot save MIN_GAIN is neither probed nor chosen. Branches on adapter (PEFT) training: the
         # backward through the frozen base computes activation gradients only, so a dropped branch saves about one
         # forward of its response while its probe steps, at 1/2, cost held-out accuracy the run does not win back
         # (docs/quality.md: 0.93x and 1.15x the exact step, -12 and -26 points, on both real models): not probed.
-        if args.branch_keep_prob == "auto" and adapters:
+        if self.branch_auto and adapters:
             logging.get_logger(__name__).warning(
                 'branch_keep_prob="auto" keeps every branch on adapter (PEFT) training: a dropped branch saves little '
                 "there and its probes cost accuracy (docs/quality.md). Set a number to prune branches.")
-        wanted = {"branch": args.branch_keep_prob == "auto" and not adapters,
-                  "position": args.position_keep_prob == "auto" and self.head >= 2 * MIN_GAIN}
+        wanted = {"branch": self.branch_auto and not adapters,
+                  "position": self.position_auto and self.head >= 2 * MIN_GAIN}
         self.families = [family for family, on in wanted.items() if on]
+        self.units = work_units(adapters)
         processes = max(args.world_size, 1)
         self.batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * processes
         # One micro-batch per step on one process: the B / 2B path.
         self.single = args.gradient_accumulation_steps * processes == 1
         # The losses but `robust` are >= 0 (A3).
         self.floor = None if "robust" in args.loss_type else 0.0
-        # Gradient hooks (engine path) and the B / 2B path's parameters and gradient buffer, set at train begin.
+        # The run's steps (the loss curve's horizon), known once training starts.
+        self.max_steps = args.max_steps
+        # Gradient hooks (engine path) and the B / 2B path's parameters and gradient buffer, set by `attach`.
         self._hooks, self._hooked, self._params = [], set(), []
-        self._buffer = self._parts = self._original_clip = None
-        # Whether this step's draw can drop a branch (set in `options`).
-        self.prunes_branches = True
+        self._buffer = self._parts = None
         self.load_state_dict(None)
 
     def state_dict(self) -> dict:
@@ -92,15 +114,16 @@ class AutoKeepProbs(TrainerCallback):
                 "loss_curve": self.curve.state_dict(), "probes": self.probes.state_dict(),
                 "drift": self._paired.carried}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict | None) -> None:
         state = state or {}
         # The last step's reduced totals, folded into the running sums at the next decision (`_fold`).
         self._pending = None
         self._paired = PairedSteps(state.get("drift"))
         self.step = StepMeasurement()
-        # Whether this step is measured (B / 2B: its gradient goes through the buffer), and the even step whose
-        # gradient the buffer holds.
-        self.measuring, self.held_step = False, None
+        # Whether this step is measured (B / 2B: its gradient goes through the buffer).
+        self.measuring = False
+        # The even step whose gradient the buffer holds.
+        self.held_step = None
         # An earlier estimator's statistics: measured anew.
         if "probes" not in state:
             state = {key: value for key, value in state.items() if key != "sums"}
@@ -139,86 +162,80 @@ class AutoKeepProbs(TrainerCallback):
         rare = probe in self.futile and turn % (RARELY * len(self.families)) >= len(self.families)
         return None if probe in idle or rare else probe
 
-    def options(self, inputs, base_options: dict, step: int, micro_step: int) -> dict:
-        """The draw's options with this step's "auto" probabilities (per pair for branches: near-copies keep both);
-        at micro-step 0 it first decides from what earlier steps measured."""
+    def draw(self, step: int, micro_step: int, host: HostBatch) -> AutoDraw:
+        """This micro-step's "auto" keep probabilities (per pair for branches: near-copies keep both, read from the
+        batch's host copy), after deciding from what earlier steps measured at micro-step 0."""
         if micro_step == 0:
             self._decide(step)
         kind = self.kind(step)
         self.measuring = kind != "choice"
         branch, position = KIND_PROBS.get(kind, self.choice[:2])
-        options = dict(base_options)
-        self.step.pairs += inputs["input_ids"].size(0) // 2
-        # Rank-identical: the trainer's plan runs no frozen group where every branch is kept.
-        self.prunes_branches = float(branch) < 1
-        if self.args.branch_keep_prob == "auto":
-            # Per pair below 1: near-copies keep both (read from the batch's host copy: no device read).
-            host = host_batch(inputs)
+        pairs = host.input_ids.size(0) // 2
+        self.step.pairs += pairs
+        keep_probs, means = {}, []
+        if self.branch_auto:
             overlap = pair_overlap(host.input_ids, host.completion_mask, host.attention_mask) if branch < 1 else None
-            options["branch_keep_prob"] = 1.0 if overlap is None else per_pair_branch_probs(overlap, float(branch))
-        if self.args.position_keep_prob == "auto":
-            options["position_keep_prob"] = float(position)
-        return options
-
-    def run_means(self, options: dict, pairs: int) -> list[tuple[str, float, float]]:
-        """(name, total, count) of what this draw used, for each "auto" keep probability, and B_simple at the last
-        decision (once there is one): the run's means, reduced over ranks at the logging step (metrics.py)."""
-        means = []
-        if self.args.branch_keep_prob == "auto":
-            kept = options["branch_keep_prob"]
+            kept = 1.0 if overlap is None else per_pair_branch_probs(overlap, float(branch))
+            keep_probs["branch_keep_prob"] = kept
             means.append(("prune/branch_keep_prob", float(kept.sum() if torch.is_tensor(kept) else kept * pairs),
                           float(pairs)))
-        if self.args.position_keep_prob == "auto":
-            means.append(("prune/position_keep_prob", float(options["position_keep_prob"]), 1.0))
+        if self.position_auto:
+            keep_probs["position_keep_prob"] = float(position)
+            means.append(("prune/position_keep_prob", float(position), 1.0))
         if self.history:
             means.append(("prune/auto_b_simple", float(min(self.history[-1]["b_simple"], 1e9)), 1.0))
-        return means
+        # Rank-identical: the plan runs no frozen group where every branch is kept.
+        return AutoDraw(keep_probs, float(branch) < 1 if self.branch_auto else None, tuple(means))
 
     # ------------------------------------------------------------------------------------------- the measurement
-    def on_train_begin(self, args, state, control, **kwargs):
-        model = self.trainer.model
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module = None, **_: Any) -> None:
+        self.max_steps = state.max_steps
+        self.attach(model)
+
+    def on_train_end(self, *_: Any, **__: Any) -> None:
+        self.detach()
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """At the start of `train()`, on the model as training wrapped it: the B / 2B path reads `.grad` after each backward; the engine path hooks each
+        micro-batch's local gradient, before accumulation and reduction (FSDP2: its unsharded parameters, which exist
+        from the first forward on)."""
         params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh")]
         if self.single:
-            # B / 2B: the step's gradient is the micro-batch's: `.grad`, read once, before clipping.
             self._params = params
-        else:
-            # The engine path: each micro-batch's local gradient, before accumulation and reduction.
-            self._hook(params)
-            if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):
-                self._hooks.append(model.register_forward_hook(self._hook_unsharded))
-        accelerator = self.trainer.accelerator
-        # A `train()` that raised did not restore the engine's own: it is wrapped once.
-        if getattr(accelerator.clip_grad_norm_, "__self__", None) is not self:
-            self._original_clip = accelerator.clip_grad_norm_
-        accelerator.clip_grad_norm_ = self._measured_clip
+            return
+        self._hook(params)
+        if any(hasattr(m, "_get_fsdp_state") for m in model.modules()):
+            self._hooks.append(model.register_forward_hook(self._hook_unsharded))
 
-    def _hook_unsharded(self, model, *_):
-        """FSDP2: hook its unsharded parameters, which exist from the first forward on."""
+    def detach(self) -> None:
+        """At the end of `train()` (also one that raised): hooks and the gradient buffer released."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._hooked, self._buffer, self._parts = [], set(), None, None
+
+    def _hook_unsharded(self, model: torch.nn.Module, *_: Any) -> None:
         self._hook(fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")
                    for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", [])
                    if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad)
 
-    def _measured_clip(self, *args, **kwargs):
-        """The engine's `clip_grad_norm_`, called once a step (at max_norm inf without clipping): on the B / 2B path
-        the pair's difference is read from `.grad` first; the pre-clip, reduced, accumulated norm is kept."""
-        if self.single and self.measuring:
-            self._read_pair(self.trainer.state.global_step)
-        self.step.clip = self._original_clip(*args, **kwargs)
-        return self.step.clip
-
-    def _hook(self, params):
+    def _hook(self, params) -> None:
         for p in params:
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
                 self._hooks.append(p.register_hook(self._on_grad))
 
-    def _on_grad(self, grad):
+    def _on_grad(self, grad: torch.Tensor) -> None:
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
         if self.measuring:
             self.step.small_norm2 = self.step.small_norm2 + torch.linalg.vector_norm(
                 grad.detach(), dtype=torch.float32).square()
 
-    def _read_pair(self, step: int):
+    def after_backward(self, step: int) -> None:
+        """A micro-batch's backward is done: on the B / 2B path (its one micro-batch), `.grad` before clipping."""
+        if self.single and self.measuring:
+            self._read_pair(step)
+
+    def _read_pair(self, step: int) -> None:
         """B / 2B, before clipping, fused over the parameters: |g_(t-1) - g_t|² on a pair's second step, the
         link |g_(t-2) - g_t|² on a first step (Eq. A4), from the one buffer; a first step's gradient kept in it."""
         # A parameter without a gradient (unused this step) counts as 0.
@@ -235,35 +252,29 @@ class AutoKeepProbs(TrainerCallback):
         if step % 2 == 0:
             torch._foreach_copy_(self._parts, grads)
 
-    def add_work(self, counts: dict) -> None:
-        """A micro-step's work, from its record's counts (metrics.MicroStepRecord), in WORK_UNITS."""
-        self.step.work += sum(weight * counts.get(f"{kind}_tokens_executed", 0) for kind, weight in WORK_UNITS)
+    def add_work(self, counts: WorkCounts) -> None:
+        """A micro-step's work, from its plan's counts, in `work_units`."""
+        self.step.work += sum(weight * getattr(counts, name) for name, weight in self.units.items())
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        """One all-reduce of five scalars on every rank, every step (no sync here); read at the next decision."""
-        measured, trainer = self.step, self.trainer
+    def end_step(self, step: int, grad_norm: torch.Tensor | float | None, loss: torch.Tensor | None,
+                 accumulation: int, accelerator: Any) -> None:
+        """Optimizer step `step` ended with the pre-clip, accumulated, reduced `grad_norm` and this process's `loss`
+        (summed over its micro-steps, each divided by `accumulation`): one all-reduce of five scalars on every rank,
+        every step (no device read here); read at the next decision."""
+        measured = self.step
+        clip = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # One micro-batch, one process: the pre-clip norm is its own gradient's.
         if self.single:
-            measured.small_norm2 = measured.clip ** 2 if measured.clip is not None else None
+            measured.small_norm2 = clip ** 2 if clip is not None else None
+        values = (measured.small_norm2, measured.pairs, measured.work, measured.pair_diff2, loss)
+        local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=accelerator.device)
+                             for x in values])
         # The loss was divided by the accumulation steps.
-        accumulation = trainer.current_gradient_accumulation_steps
-        values = (measured.small_norm2, measured.pairs, measured.work, measured.pair_diff2,
-                  trainer.run_state.step_loss)
-        local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64,
-                                             device=trainer.accelerator.device) for x in values])
         local[0] *= accumulation ** 2
-        clip = measured.clip.full_tensor() if hasattr(measured.clip, "full_tensor") else measured.clip
-        self._pending = (state.global_step, trainer.accelerator.reduce(local, "sum"),
-                         accumulation * trainer.accelerator.num_processes, clip)
-        if self.measuring and state.global_step % 2 == 0:
-            self.held_step = state.global_step
+        self._pending = (step, accelerator.reduce(local, "sum"), accumulation * accelerator.num_processes, clip)
+        if self.measuring and step % 2 == 0:
+            self.held_step = step
         self.step = StepMeasurement()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        for handle in self._hooks:
-            handle.remove()
-        self.trainer.accelerator.clip_grad_norm_ = self._original_clip
-        self._hooks, self._hooked, self._buffer, self._parts = [], set(), None, None
 
     # ------------------------------------------------------------------------------------------ the estimate
     def _fold(self):
@@ -309,7 +320,7 @@ class AutoKeepProbs(TrainerCallback):
         if s.count("trace_exact") < MIN_SAMPLES - 0.1 or not ready:
             return
         (b_up, r), (b_low, r_low) = self._bounds(UPPER_Z, ready), self._bounds(-UPPER_Z, ready)
-        room = [self.curve.room(step, self.trainer.state.max_steps, self.floor, z) for z in (UPPER_Z, -UPPER_Z)]
+        room = [self.curve.room(step, self.max_steps, self.floor, z) for z in (UPPER_Z, -UPPER_Z)]
         prune_branch, prune_position = "branch" in ready and not idle, "position" in ready
 
         def pick(b_simple, ratios, loss_room):

@@ -12,16 +12,17 @@ batch agrees with the padded one (`check_first_batch`); otherwise the choice is 
 
 import dataclasses
 import warnings
+from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
 
 from .config import EXACT_SAVINGS, uses_pruned_forward
-from .method import attention
-from .method.execute import packed_against_padded
-from .reference import NON_MODEL_KEYS, host_batch
+from .method.plan import HostBatch, Layout, plan_group, row_trees
+from .pruned_forward import ForwardContext, run_group
+from .reference import NON_MODEL_KEYS
 from .safety.data_checks import VISION_ERROR, check_prunable
-from .seam import check_compact_lm_head, compact_lm_head, no_grad_block
+from .seam import attention, check_compact_lm_head, compact_lm_head, no_grad_block
 
 # Batch keys the packed forward knows how to pack; any other per-token input makes it run padded.
 SHAREABLE_KEYS = {"input_ids", "attention_mask"} | NON_MODEL_KEYS
@@ -45,10 +46,10 @@ class ForwardChoice:
     models: tuple = dataclasses.field(default=(), repr=False)
     unproven: tuple = dataclasses.field(default=(), repr=False)
 
-    def layout(self, inputs: dict) -> tuple[bool, bool]:
-        """(packed, share) for this batch: a batch with per-token inputs other than token ids runs padded."""
+    def layout(self, inputs: dict) -> Layout:
+        """How this batch runs: a batch with per-token inputs other than token ids runs padded."""
         packed = self.packed and not (set(inputs) - SHAREABLE_KEYS)
-        return packed, packed and self.share_prompt
+        return Layout(packed, packed and self.share_prompt)
 
 
 def _without_savings(args, why: ValueError | str) -> ForwardChoice:
@@ -106,25 +107,42 @@ def after_trl(choice: ForwardChoice, args, models, aux_loss_enabled: bool, is_vi
                          unproven=unproven)
 
 
-def check_first_batch(choice: ForwardChoice, trainer, inputs) -> ForwardChoice:
+def packed_against_padded(model: torch.nn.Module, packed_models: tuple, host: HostBatch, inputs: dict,
+                          share: bool, no_grad: Any) -> torch.Tensor:
+    """The largest |packed - padded| per-token log-prob of `model` over the batch's first two pairs (NaN reads as
+    inf), each forward inside `no_grad()` (the caller's no-grad, compact-head block); `packed_models` are switched to
+    each layout in turn. Raises what the packed forward raises."""
+    rows = host.input_ids.size(0)
+    run = (torch.arange(rows) % (rows // 2)) < min(2, rows // 2)
+    scored = host.completion_mask[:, 1:].bool() & run[:, None]
+    outputs = []
+    for packed in (False, True):
+        attention.use_packed(packed_models, packed)
+        group = plan_group(host, scored, run, row_trees(host, share), packed)
+        with no_grad():
+            outputs.append(run_group(model, group, ("log_probs",), inputs)[0]["log_probs"].float())
+    return (outputs[1] - outputs[0]).abs().max().nan_to_num(nan=float("inf"))
+
+
+def check_first_batch(choice: ForwardChoice, context: ForwardContext, args: Any, host: HostBatch,
+                      inputs: dict) -> ForwardChoice:
     """Once, on the first packed batch, for a family outside the tested table: the packed and the padded per-token
     log-probs of a few pairs, no grad; packed from then on only if they agree to round-off (1e-4 in float32, 5e-2 in
     half precision, absolute), else one line naming the largest difference and padded (or stock's) forwards. Every
-    process runs it and takes the worst (the same layout everywhere). `trainer` supplies the policy (whose
-    checkpointing is paused), the config and the accelerator."""
-    host = host_batch(inputs)
+    process runs it and takes the worst (the same layout everywhere). `context` supplies the policy (whose
+    checkpointing is paused) and the accelerator."""
 
-    def no_grad():
+    def no_grad() -> Any:
         # No grad, no checkpointing, TRL's head on the labelled positions only.
-        stack = no_grad_block(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+        stack = no_grad_block(context.policy, context.checkpointing_kwargs)
         stack.enter_context(compact_lm_head())
         return stack
 
-    worst, where, failure = torch.zeros((), device=inputs["input_ids"].device), "", None
+    worst = torch.zeros((), device=inputs["input_ids"].device)
+    where, failure = "", None
     for model in choice.unproven:
         try:
-            difference = packed_against_padded(model, choice.models, host, inputs, choice.share_prompt,
-                                               NON_MODEL_KEYS, no_grad)
+            difference = packed_against_padded(model, choice.models, host, inputs, choice.share_prompt, no_grad)
         except Exception as error:  # noqa: BLE001 - a model the packed forward cannot run: padded, said why
             message = str(error).splitlines()[0] if str(error) else ""
             failure, where = f"{type(error).__name__}: {message}", model.config.model_type
@@ -132,12 +150,12 @@ def check_first_batch(choice: ForwardChoice, trainer, inputs) -> ForwardChoice:
             break
         if difference > worst:
             worst, where = difference, model.config.model_type
-    worst = trainer.accelerator.reduce(worst, reduction="max")
+    worst = context.accelerator.reduce(worst, reduction="max")
     tolerance = 1e-4 if next(choice.unproven[0].parameters()).dtype in (torch.float32, torch.float64) else 5e-2
     if float(worst) <= tolerance:
         return dataclasses.replace(choice, unproven=())
     attention.use_packed(choice.models, packed=False)
     found = (f"the packed forward failed ({failure})" if failure else
              f"the packed per-token log-probs differ from the padded ones by {float(worst):.2g} (> {tolerance:g})")
-    return _without_savings(trainer.args, f"its family ({where or 'on another process'}) is not one a test proves "
-                                          f"exact, and on the first batch {found}")
+    return _without_savings(args, f"its family ({where or 'on another process'}) is not one a test proves "
+                                  f"exact, and on the first batch {found}")

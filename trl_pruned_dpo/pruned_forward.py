@@ -1,139 +1,170 @@
-"""One micro-step's pruned forward of the [chosen; rejected] batch, from masks drawn on the host (docs/method.md).
+"""The device side of a micro-step: its plan (method/plan.py) run through the models, and the estimates made.
 
-Plan on the host (method/plan.py lays out the rows of the masks' layout), execute on the device (method/execute.py:
-the backpropagated rows with grad, the others under `torch.no_grad()`, scoring only kept positions through TRL's own
-fused LM head), and return inverse-probability-weighted per-token terms (method/estimators.py) for the policy, and the
-reference's sums under the same masks. The trainer decides (the masks, the layout); this module runs them and counts
-the work into `counts`. `trainer` supplies TRL's public fields (args, the models, the accelerator, the precompute flag,
-`use_weighting`, `aux_loss_enabled`) and TRL's `compute_ref_log_probs`.
+`run_micro_step` takes a `ForwardContext` (what it needs of the trainer, built once) and a `MicroStepPlan` (built on
+the host from token ids) and returns a `MicroStepRecord`: the policy's per-token terms, inverse-probability weighted so
+that their row sums are unbiased for the full sums (Eqs. 1-2, with the straight-through branch scaling of Eq. 3 on the
+log-probs), the reference's per-branch sums under the same masks, the backpropagated rows' MoE router loss and the
+plan's counts. The backpropagated forward runs first, then every no-grad forward (frozen branches, reference) in one
+block, so gradient checkpointing is toggled at most once per micro-step. No decisions and no host-device syncs here:
+a packed group runs as one row whose metadata is a model kwarg of the packed attention (seam/attention.py); a padded
+group runs the batch's own rows under the model's own attention.
 """
 
-import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from .method.estimators import horvitz_thompson, scale_branch_gradient
-from .method.execute import run_group
 from .method.masks import PruneMasks
-from .method.plan import plan_policy, plan_reference, work_counts
-from .reference import NON_MODEL_KEYS, REF_TOKEN_KEY, host_batch
-from .seam import DPOTrainer, Replay, compact_lm_head, no_grad_block, reference_context
+from .method.plan import Layout, MicroStepPlan, PackedGroup, WorkCounts
+from .reference import NON_MODEL_KEYS, REF_TOKEN_KEY
+from .seam import compact_lm_head, no_grad_block, reference_context
+from .seam.attention import PACKING_KWARG, Packing, packed_forward
+
+# TRL's per-token outputs the loss and its metrics read; `log_sum_sq_probs` only with `use_weighting`.
+FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
 
 
-@dataclasses.dataclass
-class Forward:
-    """The policy's estimated per-token terms, the reference's sums (chosen, rejected), the masks on the device, the
-    work counts and the backpropagated rows' MoE router loss (None without one)."""
+@dataclass(frozen=True)
+class ForwardContext:
+    """What a micro-step's forward needs of the trainer, built once per trainer (again if TRL re-wraps the policy).
 
-    per_token: dict
-    reference: tuple
+    `policy`: the model whose gradient checkpointing is toggled and whose adapter is disabled for a PEFT reference;
+    `unwrapped_policy`: the same without its engine wrapper; `reference`: TRL's reference model (None: the policy
+    without its adapter, or a precomputed reference); `reference_sums(per_token, batch)`: TRL's own per-branch sums
+    (`compute_ref_log_probs`, with `ld_alpha`)."""
+
+    policy: torch.nn.Module
+    unwrapped_policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    accelerator: Any
+    checkpointing_kwargs: dict | None
+    precomputed_reference: bool
+    prune_reference: bool
+    prune_common_prefix: bool
+    use_weighting: bool
+    aux_loss_enabled: bool
+    reference_sums: Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class MicroStepRecord:
+    """What one training micro-step computed: TRL's loss and the metrics (metrics.py) take it, auto.py its counts.
+
+    From its plan (not the plan itself, whose host tensors go with the micro-step): `step`, `options`, `layout`,
+    `counts`, `means` and `prunes_branches` (method/plan.MicroStepPlan). Computed: `per_token`, the policy's estimated
+    per-token terms by TRL's field names; `reference`, the reference's (chosen, rejected) sums under the same masks;
+    `masks`, the plan's masks on the device; `aux_loss`, the backpropagated rows' MoE router loss (None without
+    one)."""
+
+    step: tuple[int, int]
+    options: dict
+    layout: Layout
+    counts: WorkCounts
+    means: tuple[tuple[str, float, float], ...]
+    prunes_branches: bool
+    per_token: dict[str, torch.Tensor]
+    reference: tuple[torch.Tensor, torch.Tensor]
     masks: PruneMasks
-    counts: dict
     aux_loss: torch.Tensor | None = None
 
 
-def masks_to(masks: PruneMasks, device) -> PruneMasks:
+def masks_to(masks: PruneMasks, device: torch.device | str) -> PruneMasks:
     """The masks on `device` (a copy; a no-op for tensors already there)."""
-    return PruneMasks(**{f.name: getattr(masks, f.name).to(device, non_blocking=True)
-                         for f in dataclasses.fields(masks)})
+    return PruneMasks(**{f.name: getattr(masks, f.name).to(device, non_blocking=True) for f in fields(masks)})
 
 
-def _count(counts: dict, name: str, value) -> None:
-    counts[name] = counts.get(name, 0) + int(value)
+def _padded_inputs(inputs: dict, group: PackedGroup, device: torch.device) -> dict:
+    """The group's rows of every per-row or per-token model input of the batch, trimmed to its width."""
+    index = group.rows.to(device, non_blocking=True)
+    total_rows, total_cols = inputs["input_ids"].shape
+    kwargs = {}
+    for key, value in inputs.items():
+        if key in NON_MODEL_KEYS:
+            continue
+        if torch.is_tensor(value) and value.dim() >= 1 and value.size(0) == total_rows:
+            per_token = value.dim() >= 2 and value.size(1) == total_cols
+            value = value[index, : group.width] if per_token else value[index]
+        kwargs[key] = value
+    return kwargs
 
 
-def reference_log_probs(trainer, model, inputs, scored: torch.Tensor, layout: tuple[bool, bool], counts: dict):
-    """Per-token reference log-probs (rows, cols) on the `scored` positions, 0 elsewhere; never backpropagated."""
-    packed, share = layout
-    group = plan_reference(host_batch(inputs), scored.cpu(), share, packed)
-    with reference_context(trainer.model, trainer.accelerator.unwrap_model(trainer.model), trainer.ref_model,
-                           trainer.args.gradient_checkpointing_kwargs), compact_lm_head():
-        outputs, _ = run_group(model, group, ("log_probs",), inputs, NON_MODEL_KEYS)
-    _count(counts, "reference_tokens_executed", group.tokens)
-    _count(counts, "reference_positions_scored", group.scored)
+def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...], inputs: dict,
+              **model_kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """One forward of a group through TRL's fused LM head (called under the seam's `compact_lm_head`).
+
+    Returns ({field: (rows, cols) tensor}, the model outputs): each grid cell holds the output of the position the plan
+    routed to it, 0 (False) where none. `inputs`: the collated batch (a padded group takes its rows from it)."""
+    device = inputs["input_ids"].device
+    to = dict(device=device, non_blocking=True)
+    if group.rows is None:
+        packing = Packing(group.cu_seq_q.to(**to), group.cu_seq_k.to(**to), group.kv_index.to(**to), group.max_q,
+                          group.max_k, *group.bounds)
+        with packed_forward(packing):
+            outputs = model(input_ids=group.input_ids.to(**to), position_ids=group.position_ids.to(**to),
+                            shift_labels=group.shift_labels.to(**to), use_cache=False, fused_lm_head=True,
+                            **{PACKING_KWARG: packing}, **model_kwargs)
+    else:
+        outputs = model(**_padded_inputs(inputs, group, device), shift_labels=group.shift_labels.to(**to),
+                        use_cache=False, fused_lm_head=True, **model_kwargs)
+    source = group.source.to(**to)
+    hit = source >= 0
+    per_token = {}
+    for name in wanted:
+        flat = getattr(outputs, name).reshape(-1)
+        per_token[name] = torch.where(hit, flat[source.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=device))
+    return per_token, outputs
+
+
+def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: PackedGroup,
+                        inputs: dict) -> torch.Tensor:
+    """Per-token reference log-probs (rows, cols) of the `group`'s scored positions, 0 elsewhere; never
+    backpropagated (the policy's adapter disabled for a PEFT reference)."""
+    with reference_context(context.policy, context.unwrapped_policy, context.reference,
+                           context.checkpointing_kwargs), compact_lm_head():
+        outputs, _ = run_group(model, group, ("log_probs",), inputs)
     return outputs["log_probs"].float()
 
 
-def reference_sums(trainer, inputs, per_token: torch.Tensor):
-    """Per-branch reference sums from per-token values, through TRL's own `compute_ref_log_probs` (ld_alpha)."""
-    return DPOTrainer.compute_ref_log_probs(trainer, Replay(log_probs=per_token), inputs)
-
-
-def pruned_reference(trainer, inputs, masks: PruneMasks, on_device: PruneMasks, layout, counts: dict):
+def _reference_sums(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan, masks: PruneMasks,
+                    inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference sums under the policy's masks (`prune_reference`), or exact sums over every kept position; `masks`
-    are the host copy (the plan reads them), `on_device` the same masks where the estimate is made."""
-    args = trainer.args
-    prune = args.prune_reference
-    weights, exact = on_device.weights, on_device.exact
-    if trainer.precompute_ref_logps:
-        if not prune and not args.prune_common_prefix:
+    are the plan's on the device, where the estimate is made."""
+    weights = masks.weights if context.prune_reference else masks.exact.float()
+    if context.precomputed_reference:
+        if not context.prune_reference and not context.prune_common_prefix:
             return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         stored = inputs[REF_TOKEN_KEY].to(weights.device)
-        return reference_sums(trainer, inputs, horvitz_thompson(stored, weights if prune else exact.float()))
-    reference_model = trainer.ref_model if trainer.ref_model is not None else trainer.model
-    scored = masks.scored if prune else masks.exact
-    per_token = reference_log_probs(trainer, reference_model, inputs, scored, layout, counts)
-    return reference_sums(trainer, inputs, horvitz_thompson(per_token, weights) if prune else per_token * exact)
+        return context.reference_sums(horvitz_thompson(stored, weights), inputs)
+    reference_model = context.reference if context.reference is not None else model
+    per_token = reference_log_probs(context, reference_model, plan.reference, inputs)
+    return context.reference_sums(horvitz_thompson(per_token, weights), inputs)
 
 
-def _policy_forwards(trainer, model, inputs, masks: PruneMasks, fields, layout, frozen_group: bool, counts: dict):
-    """The policy forwards of the plan: per-token outputs of the grad group on the grid, a function running the
-    frozen group (in the micro-step's one no-grad block) that returns its outputs on the grid or None, and the grad
-    rows' MoE router loss (None without one)."""
-    packed, share = layout
-    # Forward + backward (+ recompute), docs/method.md's cost model.
-    grad_cost = 4.0 if trainer.args.gradient_checkpointing else 3.0
-    plan = plan_policy(host_batch(inputs), masks, frozen_group=frozen_group, grad_cost=grad_cost, share=share,
-                       packed=packed)
+def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict,
+                   plan: MicroStepPlan) -> MicroStepRecord:
+    """The pruned forward of the [chosen; rejected] batch `inputs` as `plan` lays it out (module docstring)."""
+    wanted = FIELDS + (("log_sum_sq_probs",) if context.use_weighting else ())
+    masks = masks_to(plan.masks, inputs["input_ids"].device)
     # MoE (padded only): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md).
-    router = {"output_router_logits": True} if trainer.aux_loss_enabled else {}
-    per_token, outputs = run_group(model, plan.grad, fields, inputs, NON_MODEL_KEYS, **router)
-    aux_loss = outputs.aux_loss * (1.0 if plan.grad.scored else 0.0) if router else None
-    _count(counts, "policy_tokens_executed", plan.grad.tokens)
-    _count(counts, "grad_tokens_executed", plan.grad.tokens)
-    if share:
-        _count(counts, "shared_pairs", plan.shared_pairs)
-        _count(counts, "split_pairs", plan.split_pairs)
-
-    def run_frozen():
-        if plan.frozen is None:
-            return None
-        _count(counts, "policy_tokens_executed", plan.frozen.tokens)
-        return run_group(model, plan.frozen, fields, inputs, NON_MODEL_KEYS)[0]
-
-    return per_token, run_frozen, aux_loss
-
-
-def pruned_forward(trainer, model, inputs, masks: PruneMasks, layout: tuple[bool, bool], prunes_branches: bool):
-    """The pruned forward of the [chosen; rejected] batch under `masks` (the host copy) in `layout` (packed, share).
-
-    The policy's per-token outputs (log-probs and TRL's metric fields) come back as inverse-probability-weighted
-    terms whose row sums are unbiased for the full sums (Eqs. 1-2), with the straight-through branch scaling applied
-    to the log-probs (Eq. 3) where `prunes_branches`, and the reference's per-branch sums under the same masks.
-    The backpropagated forward runs first, then every no-grad forward (frozen branches, reference) in one block, so
-    gradient checkpointing is toggled at most once per micro-step."""
-    counts = {}
-    response = inputs["completion_mask"][:, 1:].bool()
-    fields = ("log_probs", "entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if trainer.use_weighting
-                                                                    else ())
+    router = {"output_router_logits": True} if context.aux_loss_enabled else {}
     with compact_lm_head():
-        per_token, run_frozen, aux_loss = _policy_forwards(trainer, model, inputs, masks, fields, layout,
-                                                           prunes_branches, counts)
-        # Once: the reference estimate and the policy's.
-        on_device = masks_to(masks, response.device)
-        with no_grad_block(trainer.model, trainer.args.gradient_checkpointing_kwargs):
-            frozen = run_frozen()
-            reference = pruned_reference(trainer, inputs, masks, on_device, layout, counts)
+        per_token, outputs = run_group(model, plan.policy.grad, wanted, inputs, **router)
+        aux_loss = outputs.aux_loss * (1.0 if plan.policy.grad.scored else 0.0) if router else None
+        with no_grad_block(context.policy, context.checkpointing_kwargs):
+            frozen = run_group(model, plan.policy.frozen, wanted, inputs)[0] if plan.prunes_branches else None
+            reference = _reference_sums(context, model, plan, masks, inputs)
     # The groups fill disjoint cells (zero elsewhere); combined outside no_grad.
     if frozen is not None:
-        for f in fields:
-            per_token[f] = per_token[f] | frozen[f] if f == "is_top1" else per_token[f] + frozen[f]
-    for f in fields:
-        if f != "is_top1":
-            per_token[f] = horvitz_thompson(per_token[f].float(), on_device.weights)
-    per_token["is_top1"] = per_token["is_top1"].bool() & on_device.scored
-    if prunes_branches:
-        per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], on_device.branch_scale)
-    for name, value in work_counts(host_batch(inputs), masks).items():
-        _count(counts, name, value)
-    return Forward(per_token, reference, on_device, counts, aux_loss)
+        for name in wanted:
+            per_token[name] = per_token[name] | frozen[name] if name == "is_top1" else per_token[name] + frozen[name]
+    for name in wanted:
+        if name != "is_top1":
+            per_token[name] = horvitz_thompson(per_token[name].float(), masks.weights)
+    per_token["is_top1"] = per_token["is_top1"].bool() & masks.scored
+    if plan.prunes_branches:
+        per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], masks.branch_scale)
+    return MicroStepRecord(plan.step, plan.options, plan.layout, plan.counts, plan.means, plan.prunes_branches,
+                           per_token, reference, masks, aux_loss)

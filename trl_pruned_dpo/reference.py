@@ -16,7 +16,6 @@ from datasets.table import InMemoryTable
 from torch.utils.data import DataLoader
 
 from .method.plan import HostBatch
-from .seam import deepspeed_reference_engine
 
 # Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
 REF_TOKEN_COLUMNS = ("ref_chosen_token_logps", "ref_rejected_token_logps")
@@ -40,11 +39,11 @@ class HostCopyCollator:
 
 
 def host_batch(inputs: dict) -> HostBatch:
-    """The batch's token layout on the host: the collator's copy, else one copy now (precompute, custom loops)."""
+    """The batch's token layout on the host: the collator's copy, else one copy now (precompute, custom loops).
+    Called once per micro-step (the plan holds it)."""
     host = inputs.get(HOST_KEY)
-    if host is None:  # kept on the batch: the masks, the plans and the counts of a micro-step read one copy
-        host = inputs[HOST_KEY] = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask",
-                                                                          "completion_mask")))
+    if host is None:
+        host = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask")))
     return host
 
 
@@ -84,25 +83,21 @@ def pruned_collator(collator, args, train_dataset):
     return collator
 
 
-def precompute_per_token(trainer, dataset: Dataset, batch_size: int, reference_log_probs, reference_sums) -> Dataset:
+def precompute_per_token(accelerator: Any, args: Any, collator: Any, model: torch.nn.Module, dataset: Dataset,
+                         batch_size: int, reference_log_probs: Any, reference_sums: Any) -> Dataset:
     """`dataset` with the reference sums and the per-token reference log-probs as columns.
 
-    Like TRL's precompute: under `accelerator.autocast()`, each process computes its shard of the batches, gathered in
-    dataset order. The per-token values travel as one flat float32 buffer with row offsets (an Arrow list column),
-    never as a Python list per row. Kept in memory: no cache file (TRL caches only the sums). `trainer` supplies the
-    accelerator and the collator; `reference_log_probs(model, batch, scored)` and `reference_sums(batch, per_token)`
-    the reference forward (the trainer's, in its layout).
+    Like TRL's precompute: under `accelerator.autocast()`, each process computes its shard of the batches of `model`
+    (the reference, as TRL picks it), gathered in dataset order. The per-token values travel as one flat float32
+    buffer with row offsets (an Arrow list column), never as a Python list per row. Kept in memory: no cache file (TRL
+    caches only the sums). `reference_log_probs(model, batch, scored)` and `reference_sums(batch, per_token)`: the
+    reference forward in the trainer's layout.
     """
-    accelerator, args = trainer.accelerator, trainer.args
-    # As TRL: the policy, prepared once for DeepSpeed.
-    if trainer.ref_model is None and trainer.is_deepspeed_enabled:
-        model = deepspeed_reference_engine(trainer)
-    else:
-        model = trainer.ref_model or trainer.model
     loader = accelerator.prepare(DataLoader(
-        dataset, batch_size=batch_size, collate_fn=trainer.data_collator, shuffle=False,
+        dataset, batch_size=batch_size, collate_fn=collator, shuffle=False,
         num_workers=args.dataloader_num_workers,
-        pin_memory=args.dataloader_pin_memory and torch.accelerator.is_available(),  # else a no-op that warns
+        # Else a no-op that warns.
+        pin_memory=args.dataloader_pin_memory and torch.accelerator.is_available(),
     ))
     sums, values, lengths = ({"chosen": [], "rejected": []} for _ in range(3))
     for batch in loader:

@@ -3,45 +3,46 @@
 How it departs from stock TRL 1.16 (whose `_compute_loss` does one policy forward of the stacked batch, one reference
 forward, then the loss and metrics), in the order of docs/method.md:
 
-- `concatenated_forward` draws the masks on the host (method/masks.py, with "auto"'s probabilities: auto.py) and runs
-  them in the layout `forward_choice` decided (forward_choice.py) through pruned_forward.py (plan on the host, execute
-  on the device, inverse-probability-weighted per-token terms for the policy, the reference's sums under the same
-  masks). The micro-step's record (metrics.MicroStepRecord) is handed to metrics.py and auto.py.
-- `compute_loss` hands those terms to TRL's own `_compute_loss` through a replay "model" (seam.Replay), so every TRL
+- `concatenated_forward` plans the micro-step on the host from its token ids, once (`plan_micro_step`: the masks of
+  method/masks.py with "auto"'s probabilities from auto.py, in the layout `forward_choice` decided), and runs the plan
+  (pruned_forward.run_micro_step, with the `ForwardContext` built once per trainer). It returns the micro-step's typed
+  record: inverse-probability-weighted per-token terms for the policy, the reference's sums under the same masks.
+- `compute_loss` hands that record to TRL's own `_compute_loss` through a replay "model" (seam.Replay), so every TRL
   loss, `ld_alpha`, `use_weighting` and every TRL metric run unchanged on unbiased estimates of what they consume;
-  metrics.py then renames what no longer estimates stock's value.
+  metrics.py then renames what no longer estimates stock's value, and auto.py gets the record's work counts.
 - Evaluation is never pruned: it is TRL's own path. So is training whenever `uses_pruned_forward(args)` is false
   (pruning off): a drop-in by construction (docs/parity.md).
 - `auto` keep probabilities (auto.py), per-token reference precompute (reference.py) and run-safety (safety/) are
   called from here; none of them imports the trainer.
 """
 
-import functools
-
 import torch
 from datasets import Dataset, IterableDataset
 
 from . import forward_choice, metrics
-from .auto import AutoKeepProbs
+from .auto import AutoDraw, AutoKeepProbs
 from .config import AUTO, PrunedDPOConfig, uses_pruned_forward
 from .errors import TrainingDiverged
 from .forward_choice import ForwardChoice
-from .method import attention
 from .method.masks import PruneMasks, draw_masks, mask_generator
+from .method.plan import HostBatch, Layout, MicroStepPlan, plan_micro_step, plan_reference
 from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
-from .pruned_forward import masks_to, pruned_forward, reference_log_probs, reference_sums
+from .pruned_forward import ForwardContext, MicroStepRecord, masks_to, reference_log_probs, run_micro_step
 from .reference import HOST_KEY, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator
 from .safety import checkpoints, guards
 from .safety.data_checks import check_training_pairs
 from .safety.run_state import RunState
 from .sampler import prompt_group_sampler
 from .seam import (
-    DPOTrainer, Replay, as_pruned_config, logging_window, restore_logging_window, run_output_dir, train_metrics,
-    trl_loss, without_tied_keys,
+    DPOTrainer, Replay, as_pruned_config, attention, deepspeed_reference_engine, logging_window,
+    restore_logging_window, run_output_dir, train_metrics, trl_loss, without_tied_keys,
 )
 
+# Forward + backward (+ recompute) of a token in forward units: docs/method.md's cost model of the plan's split.
+GRAD_COST = {True: 4.0, False: 3.0}
 
-def _before_train(trainer, resume_from_checkpoint):
+
+def _before_train(trainer: "PrunedDPOTrainer", resume_from_checkpoint: str | bool | None) -> str | None:
     """The run state a `train()` starts from (safety/): the checkpoint to resume (said where it needs a note), the
     guard's, auto's and the logging window's state from it; the checks and warnings of pruned training."""
     from transformers.utils import logging
@@ -67,9 +68,9 @@ class PrunedDPOTrainer(DPOTrainer):
     """DPO with stochastic pruning of the computation graph. Same constructor as `trl.DPOTrainer`.
 
     `args` must be a [`PrunedDPOConfig`]; its pruning fields choose what is pruned. Read-only views of its state:
-    `forward_choice` (which forward trains, and why), `last_micro_step` (the last training micro-step's masks and
-    work counts; `last_prune_stats` its counts), `run_state` (resume, divergence guard, stop request) and
-    `auto_keep_probs` (what "auto" measured and chose, or None).
+    `forward_choice` (which forward trains, and why), `last_micro_step` (the last training micro-step's record: its
+    plan, masks and work counts; `last_prune_stats` its counts), `run_state` (resume, divergence guard, stop request)
+    and `auto_keep_probs` (what "auto" measured and chose, or None).
     """
 
     _tag_names = ["trl", "dpo", "trl-pruned-dpo"]
@@ -87,7 +88,12 @@ class PrunedDPOTrainer(DPOTrainer):
         # Refuse what the pruned forward cannot do, before TRL's precompute runs.
         self._forward_choice = forward_choice.before_trl(args, train_dataset, processing_class,
                                                          self.always_pruned_forward)
-        self.run_state, self.last_micro_step, self._auto, self._mask_step = RunState(), None, None, (-1, 0)
+        self.run_state = RunState()
+        self.last_micro_step: MicroStepRecord | None = None
+        self._auto: AutoKeepProbs | None = None
+        self._context: ForwardContext | None = None
+        # (global step, micro-step) of the last draw.
+        self._mask_step = (-1, 0)
         with trl_padding_free_notice_hidden(uses_pruned_forward(args) and args.padding_free):
             super().__init__(model, ref_model, args, *pargs, **kwargs)
         self._pending = metrics.PendingMetrics(self.accelerator)
@@ -103,9 +109,12 @@ class PrunedDPOTrainer(DPOTrainer):
             from accelerate.utils import is_peft_model
 
             policy = self.accelerator.unwrap_model(self.model)
-            self._auto = AutoKeepProbs(args, policy.config, self, adapters=is_peft_model(policy))
-            # It reads the gradient norms of each step (auto.py).
+            self._auto = AutoKeepProbs(args, policy.config, adapters=is_peft_model(policy))
+            # It hooks the gradients of the model as training wraps it (auto.py).
             self.add_callback(self._auto)
+        # Whether this run can drop a branch at all ("auto" on adapter training never does).
+        self._drops_branches = (self._auto is not None and "branch" in self._auto.families) or (
+            args.branch_keep_prob != AUTO and args.branch_keep_prob < 1)
 
     @property
     def forward_choice(self) -> ForwardChoice:
@@ -120,7 +129,24 @@ class PrunedDPOTrainer(DPOTrainer):
     @property
     def last_prune_stats(self) -> dict[str, int]:
         """The raw counts of the work of the last training micro-step (tokens executed, positions scored, rows ...)."""
-        return self.last_micro_step.counts if self.last_micro_step is not None else {}
+        return self.last_micro_step.counts.as_dict() if self.last_micro_step is not None else {}
+
+    def forward_context(self) -> ForwardContext:
+        """What the pruned forward needs of this trainer, built once (again only if training re-wrapped the policy)."""
+        if self._context is None or self._context.policy is not self.model:
+            args = self.args
+
+            def reference_sums(per_token: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+                return DPOTrainer.compute_ref_log_probs(self, Replay(log_probs=per_token), batch)
+
+            self._context = ForwardContext(
+                policy=self.model, unwrapped_policy=self.accelerator.unwrap_model(self.model),
+                reference=self.ref_model, accelerator=self.accelerator,
+                checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+                precomputed_reference=self.precompute_ref_logps, prune_reference=args.prune_reference,
+                prune_common_prefix=args.prune_common_prefix, use_weighting=self.use_weighting,
+                aux_loss_enabled=self.aux_loss_enabled, reference_sums=reference_sums)
+        return self._context
 
     # ----------------------------------------------------------------------------------------------------------- data
     def _get_train_sampler(self, train_dataset=None):
@@ -141,11 +167,24 @@ class PrunedDPOTrainer(DPOTrainer):
         reference.py). With pruning off, and for what TRL rejects (an IterableDataset), it is TRL's own."""
         if not self._forward_choice.pruned or isinstance(dataset, IterableDataset):
             return super()._precompute_ref_logps(dataset, name, batch_size)
+        context = self.forward_context()
 
-        def log_probs(model, batch, scored):
-            return reference_log_probs(self, model, batch, scored, self._layout(batch), {})
+        def log_probs(model: torch.nn.Module, batch: dict, scored: torch.Tensor) -> torch.Tensor:
+            host = host_batch(batch)
+            layout = self._layout(batch, host)
+            group = plan_reference(host, scored.cpu(), layout.share, layout.packed)
+            return reference_log_probs(context, model, group, batch)
 
-        return precompute_per_token(self, dataset, batch_size, log_probs, functools.partial(reference_sums, self))
+        def sums(batch: dict, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return context.reference_sums(per_token, batch)
+
+        # As TRL: the policy (prepared once for DeepSpeed) where no reference model is given.
+        if self.ref_model is None and self.is_deepspeed_enabled:
+            model = deepspeed_reference_engine(self)
+        else:
+            model = self.ref_model or self.model
+        return precompute_per_token(self.accelerator, self.args, self.data_collator, model, dataset, batch_size,
+                                    log_probs, sums)
 
     # ----------------------------------------------------------------------------------------------- plan: the masks
     def draw_masks(self, inputs, options: dict, generator: torch.Generator) -> PruneMasks:
@@ -157,44 +196,52 @@ class PrunedDPOTrainer(DPOTrainer):
         return draw_masks(host.input_ids, host.completion_mask, **options, generator=generator,
                           attention_mask=host.attention_mask)
 
-    def _draw(self, inputs) -> tuple[tuple[int, int], dict, PruneMasks]:
-        """(global step, micro-step), the options and the host copy of the masks of this micro-step's draw."""
+    def _layout(self, inputs: dict, host: HostBatch) -> Layout:
+        """How this batch runs. The first packed batch of a family outside the tested table is checked first (also
+        when it is the reference precompute's): the forward choice's one change."""
+        if self._forward_choice.layout(inputs).packed and self._forward_choice.unproven:
+            self._forward_choice = forward_choice.check_first_batch(self._forward_choice, self.forward_context(),
+                                                                    self.args, host, inputs)
+        layout = self._forward_choice.layout(inputs)
+        # Kept until the trainer's next stock forward: checkpointing recomputes in the backward.
+        if layout.packed:
+            attention.use_packed(self._forward_choice.models)
+        return layout
+
+    def plan(self, inputs: dict) -> MicroStepPlan:
+        """This micro-step's plan, made once on the host from the batch's token ids: the draw's step and options
+        ("auto"'s probabilities asked for), the masks, the layout, the forwards and their work counts."""
+        host = host_batch(inputs)
+        # The batch's host copy, for `draw_masks` (a subclass's too) and anything reading the batch.
+        inputs[HOST_KEY] = host
         step = self.state.global_step
         self._mask_step = (step, self._mask_step[1] + 1 if self._mask_step[0] == step else 0)
         options = self.args.mask_options()
-        if self._auto is not None:
-            options = self._auto.options(inputs, options, *self._mask_step)
+        draw = self._auto.draw(*self._mask_step, host) if self._auto is not None else AutoDraw({}, None, ())
+        options.update(draw.keep_probs)
+        # A number keeps its branches structurally: the same on every process; "auto" says per step.
+        prunes_branches = draw.prunes_branches
+        if prunes_branches is None:
+            prunes_branches = self.args.branch_keep_prob < 1
         generator = mask_generator(self.args.prune_seed, *self._mask_step, self.accelerator.process_index)
-        return self._mask_step, options, masks_to(self.draw_masks(inputs, options, generator), "cpu")
-
-    def _layout(self, inputs) -> tuple[bool, bool]:
-        """(packed, share) for this batch. The first packed batch of a family outside the tested table is checked
-        first (also when it is the reference precompute's): the forward choice's one change."""
-        if self._forward_choice.layout(inputs)[0] and self._forward_choice.unproven:
-            self._forward_choice = forward_choice.check_first_batch(self._forward_choice, self, inputs)
-        packed, share = self._forward_choice.layout(inputs)
-        # Kept until the trainer's next stock forward: checkpointing recomputes in the backward.
-        if packed:
-            attention.use_packed(self._forward_choice.models)
-        return packed, share
+        masks = masks_to(self.draw_masks(inputs, options, generator), "cpu")
+        reference_scored = None
+        if not self.precompute_ref_logps:
+            reference_scored = masks.scored if self.args.prune_reference else masks.exact
+        return plan_micro_step(self._mask_step, options, host, masks, self._layout(inputs, host),
+                               prunes_branches=prunes_branches,
+                               grad_cost=GRAD_COST[bool(self.args.gradient_checkpointing)],
+                               reference_scored=reference_scored, means=draw.means)
 
     # ------------------------------------------------------------------------------------------ execute: the forwards
-    def concatenated_forward(self, model, inputs) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """The pruned forward of the [chosen; rejected] batch (pruned_forward.py): the policy's per-token outputs as
-        inverse-probability-weighted terms whose row sums are unbiased for the full sums (Eqs. 1-3), and the
-        reference's per-branch sums (chosen, rejected) under the same masks. Keeps the micro-step's record in
-        `last_micro_step`."""
-        step, options, masks = self._draw(inputs)
-        if self.args.branch_keep_prob == AUTO:
-            # With "auto", this step's: none where it keeps every branch (auto.py).
-            prunes_branches = self._auto.prunes_branches
-        else:
-            prunes_branches = self.args.branch_keep_prob < 1
-        done = pruned_forward(self, model, inputs, masks, self._layout(inputs), prunes_branches)
-        run_means = self._auto.run_means(options, inputs["input_ids"].size(0) // 2) if self._auto else []
-        self.last_micro_step = metrics.MicroStepRecord(step, options, done.masks, done.counts, done.aux_loss,
-                                                       run_means, self._forward_choice.share_prompt)
-        return done.per_token, done.reference
+    def concatenated_forward(self, model, inputs: dict) -> MicroStepRecord:
+        """The pruned forward of the [chosen; rejected] batch: planned on the host (`plan`), run on the device
+        (pruned_forward.run_micro_step). Its record holds the policy's per-token outputs as inverse-probability-weighted
+        terms whose row sums are unbiased for the full sums (Eqs. 1-3), and the reference's per-branch sums (chosen,
+        rejected) under the same masks. Kept as `last_micro_step`, a view for the user: nothing here reads it back."""
+        record = run_micro_step(self.forward_context(), model, inputs, self.plan(inputs))
+        self.last_micro_step = record
+        return record
 
     # --------------------------------------------------------------------------------------- estimate: TRL's loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -204,19 +251,13 @@ class PrunedDPOTrainer(DPOTrainer):
                 attention.use_packed(self._forward_choice.models, packed=False)
             inputs = {k: v for k, v in inputs.items() if k not in (REF_TOKEN_KEY, HOST_KEY)}
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return self._pruned_loss(model, inputs, return_outputs)
-
-    def _pruned_loss(self, model, inputs, return_outputs=False):
-        """The pruned training loss: TRL's `_compute_loss` on the estimates, through the replay seam (seam.Replay)."""
         if return_outputs:
             raise ValueError("PrunedDPOTrainer does not return model outputs during training (TRL deprecated them).")
-        per_token, (ref_chosen, ref_rejected) = self.concatenated_forward(model, inputs)
-        record = self.last_micro_step
+        record = self.concatenated_forward(model, inputs)
         batch = {k: v for k, v in inputs.items() if k != REF_TOKEN_KEY}
-        # The reference: the batch's.
-        batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref_chosen, ref_rejected
-        loss = trl_loss(self, Replay(aux_loss=record.aux_loss, **per_token), batch)
-        metrics.log_pruned_metrics(record, per_token, self.args, train_metrics(self), self._pending)
+        batch["ref_chosen_logps"], batch["ref_rejected_logps"] = record.reference
+        loss = trl_loss(self, Replay(aux_loss=record.aux_loss, **record.per_token), batch)
+        metrics.log_pruned_metrics(record, self.args, train_metrics(self), self._pending, self._drops_branches)
         if self._auto is not None:
             self._auto.add_work(record.counts)
         return loss
@@ -238,6 +279,9 @@ class PrunedDPOTrainer(DPOTrainer):
                 output = super().train(resume, *pargs, **kwargs)
         finally:
             self._pending.deferred = False
+            # Auto's gradient hooks, also after a `train()` that raised.
+            if self._auto is not None:
+                self._auto.detach()
             # Each model's own attention back (attention.py).
             if self._forward_choice.packed:
                 attention.use_packed(self._forward_choice.models, packed=False)
@@ -254,7 +298,7 @@ class PrunedDPOTrainer(DPOTrainer):
             return super().predict(*pargs, **kwargs)
 
     def _issue_warnings_after_load(self, load_result):
-        # A resume: a tied head is not missing (seam.py).
+        # A resume: a tied head is not missing (seam/).
         super()._issue_warnings_after_load(without_tied_keys(self.accelerator.unwrap_model(self.model), load_result))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -264,10 +308,17 @@ class PrunedDPOTrainer(DPOTrainer):
             self.run_state.restored_logging_window = restore_logging_window(self, window)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.run_state.add_loss(loss)
+        # The backward is done, the gradient not clipped yet.
+        if self._auto is not None:
+            self._auto.after_backward(self.state.global_step)
         return loss
 
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *pargs, **kwargs):
-        # An optimizer step just ended: check it before it is logged or saved.
+        # An optimizer step just ended (once: the epoch's end calls this again): auto takes its measurements, the guard
+        # checks it before it is logged or saved.
+        if self._auto is not None and self.run_state.step_loss is not None:
+            self._auto.end_step(self.state.global_step - 1, grad_norm, self.run_state.step_loss,
+                                self.current_gradient_accumulation_steps, self.accelerator)
         self.run_state.end_step(self, grad_norm, run_output_dir(self))
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *pargs, **kwargs)
 

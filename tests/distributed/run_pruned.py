@@ -93,8 +93,7 @@ def record_draws(trainer) -> list:
     forward = trainer.concatenated_forward
 
     def recording(model, inputs):
-        outputs = forward(model, inputs)
-        done = trainer.last_micro_step
+        done = forward(model, inputs)
         (step, micro), masks, drawn = done.step, done.masks, done.options
         draws.append({
             "step": step,
@@ -106,7 +105,7 @@ def record_draws(trainer) -> list:
             **{key: float(torch.as_tensor(drawn[key], dtype=torch.float64).mean())
                for key in ("branch_keep_prob", "position_keep_prob")},
         })
-        return outputs
+        return done
 
     trainer.concatenated_forward = recording
     return draws

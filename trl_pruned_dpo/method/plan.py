@@ -1,6 +1,6 @@
 """The host-side plan of a micro-step's forwards: which tokens run, laid out how, with or without grad.
 
-Pure, vectorised functions of CPU tensors and Python ints (no model, no trainer state), so the executor (execute.py)
+Pure, vectorised functions of CPU tensors and Python ints (no model, no trainer state), so the executor (pruned_forward.py)
 runs the plan without a host-device sync. One planner, two layouts of the same groups (docs/method.md, "Packed layout"):
 - packed (`padding_free`, `share_prompt`): one row of segments from each row's real tokens, no padding. A row alone is
   one segment; a shared pair is [shared: positions 0..s-2 | chosen: s-1.. | rejected: s-1..] (s common leading tokens;
@@ -11,7 +11,8 @@ Labels are pre-shifted (`shift_labels`): a position carries the token it predict
 row's last token never runs. Grid column c (TRL's shifted coordinates, masks.py) is the output of input position c.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -64,21 +65,6 @@ class ForwardPlan:
     frozen: PackedGroup | None
     shared_pairs: int
     split_pairs: int
-
-
-def work_counts(host: HostBatch, masks: PruneMasks) -> dict[str, int]:
-    """The micro-step's counts known from the plan alone (host ints: logging them needs no device sync)."""
-    response = host.completion_mask[:, 1:].bool()
-    return dict(
-        positions_scored=int(masks.scored.sum()),
-        grad_positions_scored=int(masks.scored[masks.backprop].sum()),
-        tokens_needed=int(masks.executed.sum()),
-        response_positions=int(response.sum()),
-        chosen_response_positions=int(response.chunk(2)[0].sum()),
-        rows=response.size(0),
-        grad_rows=int(masks.backprop.sum()),
-        full_tokens=host.input_ids.numel(),
-    )
 
 
 def real_tokens(host: HostBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,3 +239,94 @@ def plan_reference(host: HostBatch, scored: torch.Tensor, share: bool, packed: b
     """The reference forward (never backpropagated): with sharing, each prompt group is one tree, which always saves."""
     rows = scored.size(0)
     return plan_group(host, scored.cpu(), torch.ones(rows, dtype=torch.bool), row_trees(host, share), packed)
+
+
+class Layout(NamedTuple):
+    """How a micro-step's rows run: `packed` (one row of segments, no padding), `share` (with each prompt once)."""
+
+    packed: bool
+    share: bool
+
+
+@dataclass(frozen=True)
+class WorkCounts:
+    """What a micro-step executes and scores, known from its plan alone (host ints: logging them reads no device).
+
+    Tokens and positions of the stacked [chosen; rejected] batch: `full_tokens` is stock's padded batch; the
+    reference's are 0 where it does not run (precomputed); `shared_pairs` and `split_pairs` (pairs whose branches
+    ran in one tree, or in the grad and the frozen forward) are None without prompt sharing."""
+
+    positions_scored: int
+    grad_positions_scored: int
+    tokens_needed: int
+    response_positions: int
+    chosen_response_positions: int
+    rows: int
+    grad_rows: int
+    full_tokens: int
+    policy_tokens_executed: int
+    grad_tokens_executed: int
+    reference_tokens_executed: int = 0
+    reference_positions_scored: int = 0
+    shared_pairs: int | None = None
+    split_pairs: int | None = None
+
+    def as_dict(self) -> dict[str, int]:
+        """The counts that apply, by name."""
+        return {name: value for name, value in asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class MicroStepPlan:
+    """One training micro-step, planned on the host from token ids before anything runs on the device.
+
+    `step`: (global step, micro-step) of the draw; `options`: the draw's sampling keywords (`masks.draw_masks`'s, with
+    "auto" probabilities chosen); `masks`: the host copy of the draw; `policy`: the grad (and, pruning branches, the
+    frozen) forward; `reference`: the reference forward, None where the reference is precomputed; `means`: (name,
+    total, count) of the run's means this draw adds to (what "auto" chose)."""
+
+    step: tuple[int, int]
+    options: dict
+    host: HostBatch
+    masks: PruneMasks
+    layout: Layout
+    policy: ForwardPlan
+    reference: PackedGroup | None
+    counts: WorkCounts
+    means: tuple[tuple[str, float, float], ...] = ()
+
+    @property
+    def prunes_branches(self) -> bool:
+        """Whether a frozen (no-grad) forward runs: branch pruning is on this step (the same on every process)."""
+        return self.policy.frozen is not None
+
+
+def plan_micro_step(step: tuple[int, int], options: dict, host: HostBatch, masks: PruneMasks, layout: Layout, *,
+                    prunes_branches: bool, grad_cost: float, reference_scored: torch.Tensor | None,
+                    means: tuple = ()) -> MicroStepPlan:
+    """The whole host side of a micro-step: its policy forwards, its reference forward on `reference_scored` (None:
+    precomputed, nothing runs) and its work counts, from the batch's host copy and the masks drawn from it."""
+    policy = plan_policy(host, masks, frozen_group=prunes_branches, grad_cost=grad_cost, share=layout.share,
+                         packed=layout.packed)
+    reference = None
+    if reference_scored is not None:
+        reference = plan_reference(host, reference_scored, layout.share, layout.packed)
+    response = host.completion_mask[:, 1:].bool()
+    frozen_tokens = policy.frozen.tokens if policy.frozen is not None else 0
+    counts = WorkCounts(
+        positions_scored=int(masks.scored.sum()),
+        grad_positions_scored=int(masks.scored[masks.backprop].sum()),
+        tokens_needed=int(masks.executed.sum()),
+        response_positions=int(response.sum()),
+        chosen_response_positions=int(response.chunk(2)[0].sum()),
+        rows=response.size(0),
+        grad_rows=int(masks.backprop.sum()),
+        full_tokens=host.input_ids.numel(),
+        policy_tokens_executed=policy.grad.tokens + frozen_tokens,
+        grad_tokens_executed=policy.grad.tokens,
+        reference_tokens_executed=reference.tokens if reference is not None else 0,
+        reference_positions_scored=reference.scored if reference is not None else 0,
+        shared_pairs=policy.shared_pairs if layout.share else None,
+        split_pairs=policy.split_pairs if layout.share else None,
+    )
+    return MicroStepPlan(step, options, host, masks, layout, policy, reference, counts, tuple(means))
