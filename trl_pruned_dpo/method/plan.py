@@ -1,11 +1,11 @@
 """The host-side plan of a micro-step's forwards: which tokens run, laid out how, with or without grad.
 
-Pure, vectorised functions of CPU tensors and Python ints (no model, no trainer state), so the executor (pruned_forward.py)
-runs the plan without a host-device sync. One planner, two layouts of the same groups (docs/method.md, "Packed layout"):
+Pure, vectorised functions of CPU tensors and Python ints (no model, no trainer state), so the executor
+(pruned_forward.py) runs the plan without a host-device sync. One planner, two layouts of the same groups (docs/method.md, "Packed layout"):
 - packed (`padding_free`, `share_prompt`): one row of segments from each row's real tokens, no padding. A row alone is
   one segment; a shared pair is [shared: positions 0..s-2 | chosen: s-1.. | rejected: s-1..] (s common leading tokens;
   position s-1 predicts a different token in each branch), each branch keyed on the shared part and itself. The
-  attention metadata (cu_seq_q, cu_seq_k, kv_index, max_q, max_k) is what a varlen kernel takes (attention.py).
+  attention metadata (cu_seq_q, cu_seq_k, kv_index, max_q, max_k) is what a varlen kernel takes (seam/attention.py).
 - padded (the fallback for models a packed row cannot express exactly): the batch's rows that run, trimmed.
 Labels are pre-shifted (`shift_labels`): a position carries the token it predicts where some grid cell scores it, so a
 row's last token never runs. Grid column c (TRL's shifted coordinates, masks.py) is the output of input position c.
