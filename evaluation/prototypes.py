@@ -132,13 +132,13 @@ class PrototypePrunedDPOTrainer(PrunedDPOTrainer):
     mask_law = "trainer"
     balanced = False
 
-    def draw_masks(self, inputs, options: dict, generator: torch.Generator) -> PruneMasks:
+    def draw_masks(self, host, options: dict, generator: torch.Generator) -> PruneMasks:
         """The trainer's public draw hook: the trainer's own draw, or a prototype law (and balanced branches)."""
         args = self.args
         if self.mask_law == "trainer":
-            masks = super().draw_masks(inputs, options, generator)
+            masks = super().draw_masks(host, options, generator)
         else:
-            masks = draw_law_masks(inputs["input_ids"], inputs["completion_mask"], law=self.mask_law, **options,
+            masks = draw_law_masks(host.input_ids, host.completion_mask, law=self.mask_law, **options,
                                    generator=generator)
         if self.balanced and args.branch_keep_prob < 1:
             if args.branch_sampling != "paired":

@@ -209,9 +209,9 @@ def test_every_prototype_setting_trains(name, tokenizer, dataset, tmp_path):
     draws = []
     original = trainer.draw_masks
 
-    def counted(inputs, options, generator):
+    def counted(host, options, generator):
         draws.append(options["branch_keep_prob"])
-        return original(inputs, options, generator)
+        return original(host, options, generator)
 
     trainer.draw_masks = counted
     trainer.train()

@@ -128,19 +128,16 @@ def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: 
     return outputs["log_probs"].float()
 
 
-def _reference_sums(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan, masks: PruneMasks,
-                    inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference sums under the policy's masks (`prune_reference`), or exact sums over every kept position; `masks`
-    are the plan's on the device, where the estimate is made."""
-    weights = masks.weights if context.prune_reference else masks.exact.float()
-    if context.precomputed_reference:
-        if not context.prune_reference and not context.prune_common_prefix:
-            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        stored = inputs[REF_TOKEN_KEY].to(weights.device)
-        return context.reference_sums(horvitz_thompson(stored, weights), inputs)
-    reference_model = context.reference if context.reference is not None else model
-    per_token = reference_log_probs(context, reference_model, plan.reference, inputs)
-    return context.reference_sums(horvitz_thompson(per_token, weights), inputs)
+def _reference_per_token(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan,
+                         inputs: dict) -> torch.Tensor | None:
+    """The reference's per-token log-probs the estimate weights: run now under the plan (live), the stored ones
+    (precomputed), or None where the stored sums are the estimate (precomputed, nothing pruned on the reference)."""
+    if not context.precomputed_reference:
+        reference_model = context.reference if context.reference is not None else model
+        return reference_log_probs(context, reference_model, plan.reference, inputs)
+    if context.prune_reference or context.prune_common_prefix:
+        return inputs[REF_TOKEN_KEY]
+    return None
 
 
 def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict,
@@ -155,16 +152,23 @@ def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict
         aux_loss = outputs.aux_loss * (1.0 if plan.policy.grad.scored else 0.0) if router else None
         with no_grad_block(context.policy, context.checkpointing_kwargs):
             frozen = run_group(model, plan.policy.frozen, wanted, inputs)[0] if plan.prunes_branches else None
-            reference = _reference_sums(context, model, plan, masks, inputs)
+            reference_tokens = _reference_per_token(context, model, plan, inputs)
     # The groups fill disjoint cells (zero elsewhere); combined outside no_grad.
     if frozen is not None:
         for name in wanted:
             per_token[name] = per_token[name] | frozen[name] if name == "is_top1" else per_token[name] + frozen[name]
+    # The estimates (Eqs. 1-3): the policy's terms, and the reference's under the same masks (or exact sums over
+    # every kept position without `prune_reference`).
     for name in wanted:
         if name != "is_top1":
             per_token[name] = horvitz_thompson(per_token[name].float(), masks.weights)
     per_token["is_top1"] = per_token["is_top1"].bool() & masks.scored
     if plan.prunes_branches:
         per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], masks.branch_scale)
+    if reference_tokens is None:
+        reference = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+    else:
+        weights = masks.weights if context.prune_reference else masks.exact.float()
+        reference = context.reference_sums(horvitz_thompson(reference_tokens.to(weights.device), weights), inputs)
     return MicroStepRecord(plan.step, plan.options, plan.layout, plan.counts, plan.means, plan.prunes_branches,
                            per_token, reference, masks, aux_loss)

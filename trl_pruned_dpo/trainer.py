@@ -187,12 +187,11 @@ class PrunedDPOTrainer(DPOTrainer):
                                     log_probs, sums)
 
     # ----------------------------------------------------------------------------------------------- plan: the masks
-    def draw_masks(self, inputs, options: dict, generator: torch.Generator) -> PruneMasks:
+    def draw_masks(self, host: HostBatch, options: dict, generator: torch.Generator) -> PruneMasks:
         """This micro-step's masks under `options` (`masks.draw_masks`'s sampling keywords, "auto" ones chosen), drawn
-        on the host from the batch's token layout (no device sync) with `generator`, keyed by (prune_seed, global
+        from the batch's host copy of its token layout (no device sync) with `generator`, keyed by (prune_seed, global
         step, micro-step, rank): resuming draws the same masks. A subclass may draw its own (evaluation/prototypes.py).
         """
-        host = host_batch(inputs)
         return draw_masks(host.input_ids, host.completion_mask, **options, generator=generator,
                           attention_mask=host.attention_mask)
 
@@ -212,8 +211,7 @@ class PrunedDPOTrainer(DPOTrainer):
         """This micro-step's plan, made once on the host from the batch's token ids: the draw's step and options
         ("auto"'s probabilities asked for), the masks, the layout, the forwards and their work counts."""
         host = host_batch(inputs)
-        # The batch's host copy, for `draw_masks` (a subclass's too) and anything reading the batch.
-        inputs[HOST_KEY] = host
+        layout = self._layout(inputs, host)
         step = self.state.global_step
         self._mask_step = (step, self._mask_step[1] + 1 if self._mask_step[0] == step else 0)
         options = self.args.mask_options()
@@ -224,11 +222,11 @@ class PrunedDPOTrainer(DPOTrainer):
         if prunes_branches is None:
             prunes_branches = self.args.branch_keep_prob < 1
         generator = mask_generator(self.args.prune_seed, *self._mask_step, self.accelerator.process_index)
-        masks = masks_to(self.draw_masks(inputs, options, generator), "cpu")
+        masks = masks_to(self.draw_masks(host, options, generator), "cpu")
         reference_scored = None
         if not self.precompute_ref_logps:
             reference_scored = masks.scored if self.args.prune_reference else masks.exact
-        return plan_micro_step(self._mask_step, options, host, masks, self._layout(inputs, host),
+        return plan_micro_step(self._mask_step, options, host, masks, layout,
                                prunes_branches=prunes_branches,
                                grad_cost=GRAD_COST[bool(self.args.gradient_checkpointing)],
                                reference_scored=reference_scored, means=draw.means)
@@ -239,7 +237,8 @@ class PrunedDPOTrainer(DPOTrainer):
         (pruned_forward.run_micro_step). Its record holds the policy's per-token outputs as inverse-probability-weighted
         terms whose row sums are unbiased for the full sums (Eqs. 1-3), and the reference's per-branch sums (chosen,
         rejected) under the same masks. Kept as `last_micro_step`, a view for the user: nothing here reads it back."""
-        record = run_micro_step(self.forward_context(), model, inputs, self.plan(inputs))
+        plan = self.plan(inputs)
+        record = run_micro_step(self.forward_context(), model, inputs, plan)
         self.last_micro_step = record
         return record
 
