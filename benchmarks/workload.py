@@ -610,9 +610,11 @@ def machine_info(device: str, threads: int) -> dict:
     try:
         import subprocess
 
-        info["git"] = subprocess.run(
+        found = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
-        ).stdout.strip()
-    except OSError:
-        pass
+        )
+        # Never an empty field: a record whose commit git could not give says why (its first line of stderr).
+        info["git"] = found.stdout.strip() or "unknown: " + (found.stderr.strip().splitlines() or ["no output"])[0]
+    except OSError as error:
+        info["git"] = f"unknown: {error}"
     return info

@@ -2,31 +2,39 @@
 
 Every run of a (model, task) starts from the same weights (the model, or its SFT warm start: `warm_start`), trains a
 LoRA adapter (the reference is the model with its adapter off), on the same train pairs (the task's split for seed 0;
-the run's seed draws the data order and the adapter's initialisation), with a constant learning rate (no warm-up:
-HF's first warm-up step has a learning rate of 0), so a curve read at step k does not depend on how long the run goes on.
+the run's seed draws the data order and the adapter's initialisation). The learning-rate schedule is the model spec's:
+the first study's is constant (no warm-up: HF's first warm-up step has a learning rate of 0), so a curve read at step k
+does not depend on how long the run goes on; the pre-registered study's (docs/study.md) is linear warm-up then linear
+decay to 0 over the run's own steps.
 
 Held-out pairs: the first `curve_pairs` at every evaluation (the curves, read at equal CPU time), all `eval_pairs`
 after the last step (the equal-steps numbers): a forward over 224 pairs costs ~2 minutes of one CPU core on SmolLM2,
 more than a dozen training steps, so the curve's points use fewer pairs.
 
-Clocks: this process's CPU time (user + system; one torch thread), from each optimizer step's start to its end
-(`on_step_begin` .. `on_step_end`: forward, backward, `auto`'s measurements, clipping, the optimizer); evaluation,
-loading and data preparation are excluded. Held-out metrics are forward-only and exact (nothing pruned): each pair's
-chosen and rejected log-probabilities under the policy, against the reference's, computed once per (model, task)
-(the adapter starts at zero, so step 0 is the reference itself: every margin a tie, accuracy 0.5 by the convention
-below, margin 0).
+Clocks, both recorded: this process's CPU time (user + system, `step_cpu`) and its user CPU time alone (`step_user`,
+`resource.getrusage`), one torch thread, from each optimizer step's start to its end (`on_step_begin` ..
+`on_step_end`: forward, backward, `auto`'s measurements, clipping, the optimizer); evaluation, loading and data
+preparation are excluded. A plan with `budget_user_s` stops the run after the step in which its training user CPU
+reaches the budget, and evaluates it there (the pre-registered study's equal-time arm).
+
+Held-out metrics are forward-only and exact (nothing pruned): each pair's chosen and rejected log-probabilities under
+the policy, against the reference's, computed once per (model, task) (the adapter starts at zero, so step 0 is the
+reference itself: every margin a tie, accuracy 0.5 by the convention below, margin 0).
 
 Held-out reward accuracy here counts a tie as half a win (TRL's `rewards/accuracies` counts it as a loss, which
-puts step 0 at 0.0 instead of the coin flip it is); after one step there are no ties.
+puts step 0 at 0.0 instead of the coin flip it is); after one step there are no ties. A non-finite margin (a diverged
+policy) counts as a tie too, and is counted (`nonfinite`).
 """
 
 import contextlib
 import hashlib
 import json
+import math
 import random
+import resource
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,6 +74,8 @@ class ModelSpec:
     lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     warm_start: dict = field(default_factory=dict)  # SFT on the task's chosen answers first (`steps`, `batch_size`, ...)
     max_length: int = 256
+    lr_scheduler: str = "constant"  # HF's lr_scheduler_type
+    warmup_ratio: float = 0.0  # of the run's steps (HF's warmup_steps below 1)
 
 
 @dataclass(frozen=True)
@@ -76,10 +86,44 @@ class RunPlan:
     curve_pairs: int = 64  # the first n of them, evaluated at every point of `evals` (the curves: CPU-time readings)
     eval_batch: int = 16  # sequences per forward
     beta: float = 0.1
+    budget_user_s: float | None = None  # stop after the step in which training user CPU reaches this (and evaluate)
+    stop_on_divergence: bool | None = None  # the pruned trainer's field (None: its default); False: every run ends
+    train_pairs: int | None = None  # the first n train pairs only (smoke tests)
+
+
+# Fields added after the first study's cells were stored: left out of a cell's key at their default, so those cells
+# keep their keys (real_models.cell_key).
+LATE_FIELDS = {"lr_scheduler": "constant", "warmup_ratio": 0.0, "budget_user_s": None, "stop_on_divergence": None,
+               "train_pairs": None}
+
+
+def key_fields(spec_or_plan) -> dict:
+    return {k: v for k, v in asdict(spec_or_plan).items() if not (k in LATE_FIELDS and v == LATE_FIELDS[k])}
 
 
 def cpu_seconds() -> float:
     return time.process_time()
+
+
+def user_cpu_seconds() -> float:
+    """This process's user CPU time (no system time: page faults and allocator work the kernel does are left out)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_utime
+
+
+DIVERGENCE_FACTOR = 10.0  # docs/study.md: a logged training loss above 10x the first one
+
+
+def divergence(losses: list[float], final_accuracy: float | None) -> str | None:
+    """Why a run counts as diverged (docs/study.md), or None: a non-finite training loss, a loss above
+    DIVERGENCE_FACTOR x the first step's, or held-out accuracy below 0.5 at its last evaluation."""
+    for step, loss in enumerate(losses, start=1):
+        if not math.isfinite(loss):
+            return f"training loss {loss} at step {step}"
+        if losses and math.isfinite(losses[0]) and abs(loss) > DIVERGENCE_FACTOR * abs(losses[0]):
+            return f"training loss {loss:.4g} at step {step}, above {DIVERGENCE_FACTOR:g}x the first ({losses[0]:.4g})"
+    if final_accuracy is not None and final_accuracy < 0.5:
+        return f"held-out accuracy {final_accuracy:.3f} at the end, below 0.5"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------- held-out metrics
@@ -130,10 +174,12 @@ def pair_metrics(policy: list[float], reference: list[float], beta: float, curve
     `curve_pairs` (`curve_accuracy`, `curve_margin`)."""
     margins = [beta * ((policy[i] - reference[i]) - (policy[i + 1] - reference[i + 1]))
                for i in range(0, len(policy), 2)]
-    wins = [1.0 if m > 0 else 0.5 if m == 0 else 0.0 for m in margins]
+    wins = [1.0 if m > 0 else 0.0 if m < 0 else 0.5 for m in margins]  # a tie, or a non-finite margin: half
+    nonfinite = sum(not math.isfinite(m) for m in margins)
     head = slice(0, curve_pairs)
-    return {"accuracy": sum(wins) / len(wins), "margin": sum(margins) / len(margins), "pairs": len(wins),
-            "curve_accuracy": sum(wins[head]) / len(wins[head]), "curve_margin": sum(margins[head]) / len(wins[head])}
+    out = {"accuracy": sum(wins) / len(wins), "margin": sum(margins) / len(margins), "pairs": len(wins),
+           "curve_accuracy": sum(wins[head]) / len(wins[head]), "curve_margin": sum(margins[head]) / len(wins[head])}
+    return {**out, "nonfinite": nonfinite} if nonfinite else out
 
 
 # ------------------------------------------------------------------------------------------------------ the trainers
@@ -165,23 +211,30 @@ def _trainer_classes():
 
 
 class _Clock(TrainerCallback):
-    """Training CPU time per step, and the held-out evaluations at the planned steps."""
+    """Training CPU time per step (process and user clocks), the held-out evaluations at the planned steps, and the
+    stop at a user-CPU budget (evaluated there)."""
 
-    def __init__(self, evaluate, eval_steps, log):
-        self.evaluate, self.eval_steps, self.log = evaluate, set(eval_steps), log
-        self.step_cpu, self.started, self.points = [], None, []
+    def __init__(self, evaluate, eval_steps, log, budget_user_s=None):
+        self.evaluate, self.eval_steps, self.log, self.budget = evaluate, set(eval_steps), log, budget_user_s
+        self.step_cpu, self.step_user, self.started, self.points, self.stopped_by_budget = [], [], None, [], False
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.started = cpu_seconds()
+        self.started = (cpu_seconds(), user_cpu_seconds())
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.step_cpu.append(cpu_seconds() - self.started)
-        if state.global_step in self.eval_steps:
+        self.step_cpu.append(cpu_seconds() - self.started[0])
+        self.step_user.append(user_cpu_seconds() - self.started[1])
+        if self.budget is not None and sum(self.step_user) >= self.budget and state.global_step < state.max_steps:
+            control.should_training_stop = self.stopped_by_budget = True
+        if state.global_step in self.eval_steps or self.stopped_by_budget:
             began = cpu_seconds()
-            point = {"step": state.global_step, "cpu": sum(self.step_cpu), **self.evaluate(state.global_step)}
+            point = {"step": state.global_step, "cpu": sum(self.step_cpu), "user": sum(self.step_user),
+                     **self.evaluate(state.global_step)}
             self.points.append(point)
-            self.log(f"    step {point['step']:3d}  train CPU {point['cpu']:7.1f} s  accuracy {point['accuracy']:.3f} "
-                     f"({point['pairs']} pairs)  margin {point['margin']:+.4f}  (eval {cpu_seconds() - began:.0f} s CPU)")
+            self.log(f"    step {point['step']:3d}  train CPU {point['cpu']:7.1f} s (user {point['user']:.1f})  "
+                     f"accuracy {point['accuracy']:.3f} ({point['pairs']} pairs)  margin {point['margin']:+.4f}  "
+                     f"(eval {cpu_seconds() - began:.0f} s CPU)" + ("  [budget reached]" if self.stopped_by_budget
+                                                                    else ""))
 
 
 def auto_record(trainer) -> dict:
@@ -215,7 +268,7 @@ def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | N
     tokenizer = load_tokenizer(model_path)
     common = dict(
         per_device_train_batch_size=spec.pairs, max_steps=plan.steps, learning_rate=spec.learning_rate,
-        lr_scheduler_type="constant", beta=plan.beta, max_length=spec.max_length,
+        lr_scheduler_type=spec.lr_scheduler, warmup_steps=spec.warmup_ratio, beta=plan.beta, max_length=spec.max_length,
         gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=seed, data_seed=seed, report_to=[],
         logging_steps=1, save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         model_init_kwargs={"dtype": torch.float32},
@@ -226,7 +279,8 @@ def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | N
         if setting is None:
             cls, args = stock_class, DPOConfig(output_dir=scratch, **common)
         else:
-            cls, args = pruned_class, PrunedDPOConfig(output_dir=scratch, **common, **setting)
+            extra = {} if plan.stop_on_divergence is None else {"stop_on_divergence": plan.stop_on_divergence}
+            cls, args = pruned_class, PrunedDPOConfig(output_dir=scratch, **common, **setting, **extra)
         trainer = cls(model=model_path, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
                       processing_class=tokenizer, peft_config=lora)
         sequences = _sequences(trainer.eval_dataset)
@@ -245,19 +299,29 @@ def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | N
             reference_cache["cpu"] = cpu_seconds() - began
             log(f"    reference log-probabilities of {len(sequences) // 2} held-out pairs: "
                 f"{reference_cache['cpu']:.0f} s CPU")
-        clock = _Clock(evaluate, plan.evals, log)
+        clock = _Clock(evaluate, plan.evals, log, plan.budget_user_s)
         trainer.remove_callback(PrinterCallback)
         trainer.add_callback(clock)
         trainer.train()
     history = trainer.state.log_history
     shares = [h["prune/tokens_executed"] for h in history if "prune/tokens_executed" in h]
+    losses = [h["loss"] for h in history if "loss" in h]
+    late = {}  # the pre-registered study's fields (absent from the first study's records)
+    if plan.budget_user_s is not None:
+        late.update(budget_user_s=plan.budget_user_s, stopped_by_budget=clock.stopped_by_budget)
+    if spec.lr_scheduler != "constant" or plan.budget_user_s is not None or plan.stop_on_divergence is not None:
+        late.update(steps_done=trainer.state.global_step, learning_rates=[h["learning_rate"] for h in history
+                                                                          if "learning_rate" in h],
+                    divergence=divergence(losses, clock.points[-1]["accuracy"] if clock.points else None))
     return {
         "curve": [{"step": 0, "cpu": 0.0, "accuracy": 0.5, "margin": 0.0, "curve_accuracy": 0.5, "curve_margin": 0.0}]
         + clock.points,
         "step_cpu": clock.step_cpu,
+        "step_user": clock.step_user,
+        **late,
         "tokens_executed": trainer.tokens_executed,
         "tokens_executed_share": sum(shares) / len(shares) if shares else 1.0,
-        "losses": [h["loss"] for h in history if "loss" in h],
+        "losses": losses,
         "threads": torch.get_num_threads(),
         **auto_record(trainer),
     }

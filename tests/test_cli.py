@@ -267,7 +267,7 @@ def test_summary_one_short_line_per_fact_and_no_unexplained_na():
     assert "steps                    10 (160 pairs), 3.0 s of training, 9.0 s in all" in text
     assert "last training loss       0.600 (step 10)" in text and "training reward acc.     0.750" in text
     assert "held-out reward acc.     0.625" in text
-    assert "tokens executed          70.0% of the full graph" in text and "branches backpropagated" not in text
+    assert "tokens executed          70.0% of stock's padded batch" in text and "branches backpropagated" not in text
     assert "n/a" not in text and all(len(line) <= 120 for line in text.splitlines() if "->" not in line)
     stock = [{k: v for k, v in e.items() if not k.startswith("prune/")} for e in logs]
     trainer.state.log_history = stock[-1:]  # fewer steps than logging_steps: only the closing entry

@@ -6,11 +6,12 @@ from ..errors import PROG
 from ..safety import checkpoints
 from ..safety.signals import resume_command
 
-_PRUNE_METRICS = {  # key -> (label, what the share is of)
-    "prune/tokens_executed": ("tokens executed", " of the full graph"),
+_PRUNE_METRICS = {  # key -> (label, what the share is of: metrics.py's denominators)
+    # Both token shares divide by `full_tokens`, the tokens of stock's padded batch (prompts and padding included).
+    "prune/tokens_executed": ("tokens executed", " of stock's padded batch"),
     "prune/positions_scored": ("positions scored", " of response positions"),
     "prune/branches_backpropagated": ("branches backpropagated", " of branches"),
-    "prune/tokens_backpropagated": ("tokens backpropagated", " of response tokens"),
+    "prune/tokens_backpropagated": ("tokens backpropagated", " of stock's padded batch"),
 }
 
 
