@@ -18,14 +18,15 @@ the running sums at the next decision (`_fold`). `attach` and `detach` install a
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
 from .method.masks import pair_overlap, per_pair_branch_probs
-from .method.noise import (  # noqa: F401 - the arithmetic, re-exported for `auto.choose` & co.
+# The arithmetic, re-exported for `auto.choose` & co.
+from .method.noise import (  # noqa: F401
     MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, branch_idle, choose,
     extra_noise, head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
 )
@@ -70,6 +71,16 @@ class StepMeasurement:
     # The pairs drawn and the work done (`work_units`) by its micro-steps.
     pairs: int = 0
     work: float = 0.0
+
+
+class StepTotals(NamedTuple):
+    """A step's `StepMeasurement` and loss as `end_step` reduces them (summed over processes), in that order."""
+
+    small_norm2: float
+    pairs: float
+    work: float
+    pair_diff2: float
+    loss: float
 
 
 class AutoKeepProbs(TrainerCallback):
@@ -211,14 +222,15 @@ class AutoKeepProbs(TrainerCallback):
         """At the end of `train()` (also one that raised): hooks and the gradient buffer released."""
         for handle in self._hooks:
             handle.remove()
-        self._hooks, self._hooked, self._buffer, self._parts = [], set(), None, None
+        self._hooks, self._hooked = [], set()
+        self._buffer = self._parts = None
 
     def _hook_unsharded(self, model: torch.nn.Module, *_: Any) -> None:
         self._hook(fp._unsharded_param for m in model.modules() if hasattr(m, "_get_fsdp_state")
                    for fp in getattr(m._get_fsdp_state()._fsdp_param_group, "fsdp_params", [])
                    if hasattr(fp, "_unsharded_param") and fp._unsharded_param.requires_grad)
 
-    def _hook(self, params) -> None:
+    def _hook(self, params: Any) -> None:
         for p in params:
             if id(p) not in self._hooked:
                 self._hooked.add(id(p))
@@ -277,24 +289,26 @@ class AutoKeepProbs(TrainerCallback):
         self.step = StepMeasurement()
 
     # ------------------------------------------------------------------------------------------ the estimate
-    def _fold(self):
+    def _fold(self) -> None:
         """The last step's norms into the running sums: per-step estimates of tr Σ (per kind) and |G|² (exact)."""
         if self._pending is None:
             return
-        (step, totals, micro, clip), self._pending = self._pending, None
-        small2, pairs, work, diff, loss = totals.tolist()
+        (step, reduced, micro, clip), self._pending = self._pending, None
+        # The five scalars `end_step` reduced, summed over processes.
+        totals = StepTotals(*reduced.tolist())
+        small2, pairs = totals.small_norm2, totals.pairs
         kind = self.kind(step)
         # Every kind of step: the loss's value is exact or unbiased.
-        self.curve.add(step, loss / (micro or 1))
+        self.curve.add(step, totals.loss / (micro or 1))
         if kind == "choice":
             return
-        self.stats.add(f"work_{kind}", work / max(pairs, 1))
+        self.stats.add(f"work_{kind}", totals.work / max(pairs, 1))
         sizes, drift = None, 0.0
         if not self.single and clip is not None:
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
         elif self.single:
             # B and 2B pairs, and the drift between their two steps (None: not measured).
-            sizes, drift = self._paired.add(step, kind, small2, diff, pairs)
+            sizes, drift = self._paired.add(step, kind, small2, totals.pair_diff2, pairs)
         # B / 2B: a pair's first step, or a pair without its link.
         if sizes is None or drift is None:
             return
@@ -308,7 +322,7 @@ class AutoKeepProbs(TrainerCallback):
             for name, value in (("trace", trace), ("norm2", norm2), ("cross", trace * norm2)):
                 self.stats.add(f"{name}_exact", value)
 
-    def _decide(self, step: int):
+    def _decide(self, step: int) -> None:
         """Choose (A1-A3) at the UPPER_Z bounds among the families resolved so far (the others keep p = 1); a family
         that even the opposite (optimistic) bounds keep at p = 1 is probed RARELY until they no longer do."""
         self._fold()
@@ -323,7 +337,7 @@ class AutoKeepProbs(TrainerCallback):
         room = [self.curve.room(step, self.max_steps, self.floor, z) for z in (UPPER_Z, -UPPER_Z)]
         prune_branch, prune_position = "branch" in ready and not idle, "position" in ready
 
-        def pick(b_simple, ratios, loss_room):
+        def pick(b_simple: float, ratios: dict, loss_room: float) -> tuple:
             return choose(b_simple, ratios.get("branch", 0.0), ratios.get("position", 0.0), self.batch, self.head,
                           prune_branch, prune_position, half, loss_room)
 
@@ -342,7 +356,7 @@ class AutoKeepProbs(TrainerCallback):
             })
         self.choice, self.futile = choice, futile
 
-    def _bounds(self, z: float, ready) -> tuple[float, dict]:
+    def _bounds(self, z: float, ready: list[str]) -> tuple[float, dict]:
         """B_simple and each family's r at their 90% bounds on the pruning-averse side (z < 0: the optimistic side);
         log(r + 1) from probes between exact blocks, its standard error at least the exact blocks' (ProbeLevels)."""
         # One probe's variance.

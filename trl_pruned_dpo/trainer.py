@@ -16,6 +16,8 @@ forward, then the loss and metrics), in the order of docs/method.md:
   called from here; none of them imports the trainer.
 """
 
+from typing import Any
+
 import torch
 from datasets import Dataset, IterableDataset
 
@@ -78,7 +80,8 @@ class PrunedDPOTrainer(DPOTrainer):
     # identity). Not for training: pruning off is TRL's own path by design.
     always_pruned_forward = False
 
-    def __init__(self, model, ref_model=None, args: PrunedDPOConfig | None = None, *pargs, **kwargs):
+    def __init__(self, model: torch.nn.Module | str, ref_model: torch.nn.Module | str | None = None,
+                 args: PrunedDPOConfig | None = None, *pargs: Any, **kwargs: Any):
         args = as_pruned_config(model, args, PrunedDPOConfig)
         # A no-op without an accelerator, but torch warns at every loader.
         if args.dataloader_pin_memory and not torch.accelerator.is_available():
@@ -149,7 +152,7 @@ class PrunedDPOTrainer(DPOTrainer):
         return self._context
 
     # ----------------------------------------------------------------------------------------------------------- data
-    def _get_train_sampler(self, train_dataset=None):
+    def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Any:
         """`group_by_prompt`: a prompt's pairs in one micro-batch (sampler.py); otherwise TRL's own sampler."""
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         sampler = prompt_group_sampler(self.args, dataset, self._train_batch_size)
@@ -232,7 +235,7 @@ class PrunedDPOTrainer(DPOTrainer):
                                reference_scored=reference_scored, means=draw.means)
 
     # ------------------------------------------------------------------------------------------ execute: the forwards
-    def concatenated_forward(self, model, inputs: dict) -> MicroStepRecord:
+    def concatenated_forward(self, model: torch.nn.Module, inputs: dict) -> MicroStepRecord:
         """The pruned forward of the [chosen; rejected] batch: planned on the host (`plan`), run on the device
         (pruned_forward.run_micro_step). Its record holds the policy's per-token outputs as inverse-probability-weighted
         terms whose row sums are unbiased for the full sums (Eqs. 1-3), and the reference's per-branch sums (chosen,
@@ -243,7 +246,8 @@ class PrunedDPOTrainer(DPOTrainer):
         return record
 
     # --------------------------------------------------------------------------------------- estimate: TRL's loss
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(self, model: torch.nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         # Evaluation, and pruning off: TRL's own path, with the attention each model was loaded with (attention.py).
         if not self.model.training or not self._forward_choice.pruned:
             if self._forward_choice.packed:
@@ -265,7 +269,7 @@ class PrunedDPOTrainer(DPOTrainer):
     # The stop-signal flag rides on the step's one fused read (guards.check_step).
     reads_stop_signal = True
 
-    def train(self, resume_from_checkpoint=None, *pargs, **kwargs):
+    def train(self, resume_from_checkpoint: str | bool | None = None, *pargs: Any, **kwargs: Any) -> Any:
         """TRL's `train`, resuming only from a complete checkpoint with this run's pruning settings (`True`: the newest
         complete one; a stock checkpoint resumes with a note), warning about settings that should alarm, and stopping
         a diverging run (safety/). Raises `errors.ResumeError` and `errors.TrainingDiverged`, each one line."""
@@ -288,19 +292,20 @@ class PrunedDPOTrainer(DPOTrainer):
             raise TrainingDiverged(self.run_state.diverged)
         return output
 
-    def evaluate(self, *pargs, **kwargs):
+    def evaluate(self, *pargs: Any, **kwargs: Any) -> dict[str, float]:
         with checkpointing_names_quiet():
             return super().evaluate(*pargs, **kwargs)
 
-    def predict(self, *pargs, **kwargs):
+    def predict(self, *pargs: Any, **kwargs: Any) -> Any:
         with checkpointing_names_quiet():
             return super().predict(*pargs, **kwargs)
 
-    def _issue_warnings_after_load(self, load_result):
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
         # A resume: a tied head is not missing (seam/).
         super()._issue_warnings_after_load(without_tied_keys(self.accelerator.unwrap_model(self.model), load_result))
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, model: torch.nn.Module, inputs: dict,
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         # The first micro-step after a resume reopens the logging window.
         window = self.run_state.take_window()
         if window is not None:
@@ -312,7 +317,8 @@ class PrunedDPOTrainer(DPOTrainer):
             self._auto.after_backward(self.state.global_step)
         return loss
 
-    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *pargs, **kwargs):
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: torch.Tensor | float | None, *pargs: Any,
+                                 **kwargs: Any) -> None:
         # An optimizer step just ended (once: the epoch's end calls this again): auto takes its measurements, the guard
         # checks it before it is logged or saved.
         if self._auto is not None and self.run_state.step_loss is not None:
@@ -326,7 +332,7 @@ class PrunedDPOTrainer(DPOTrainer):
         self._pending.flush(train_metrics(self))
         super().log(logs, start_time)
 
-    def _save_checkpoint(self, model, trial):
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """TRL's checkpoint, then the run state and the completion marker (safety/checkpoints.py)."""
         # The logging window saved below holds values, not device counts.
         self._pending.flush(train_metrics(self))
