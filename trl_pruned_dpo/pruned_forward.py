@@ -11,7 +11,7 @@ group runs the batch's own rows under the model's own attention.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,11 +71,6 @@ class MicroStepRecord:
     aux_loss: torch.Tensor | None = None
 
 
-def masks_to(masks: PruneMasks, device: torch.device | str) -> PruneMasks:
-    """The masks on `device` (a copy; a no-op for tensors already there)."""
-    return PruneMasks(**{f.name: getattr(masks, f.name).to(device, non_blocking=True) for f in fields(masks)})
-
-
 def _padded_inputs(inputs: dict, group: PackedGroup, device: torch.device) -> dict:
     """The group's rows of every per-row or per-token model input of the batch, trimmed to its width."""
     index = group.rows.to(device, non_blocking=True)
@@ -128,23 +123,28 @@ def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: 
     return outputs["log_probs"].float()
 
 
-def _reference_per_token(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan,
-                         inputs: dict) -> torch.Tensor | None:
-    """The reference's per-token log-probs the estimate weights: run now under the plan (live), the stored ones
-    (precomputed), or None where the stored sums are the estimate (precomputed, nothing pruned on the reference)."""
+def _reference_sums(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan, masks: PruneMasks,
+                    inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's (chosen, rejected) sums under the policy's masks (`prune_reference`), or exact sums over every
+    kept position: its per-token log-probs run now under the plan (live) or stored (precomputed), or the stored sums
+    where nothing on the reference is pruned. Called in the micro-step's no-grad block: TRL's summing toggles
+    gradient checkpointing otherwise."""
+    weights = masks.weights if context.prune_reference else masks.exact.float()
     if not context.precomputed_reference:
         reference_model = context.reference if context.reference is not None else model
-        return reference_log_probs(context, reference_model, plan.reference, inputs)
-    if context.prune_reference or context.prune_common_prefix:
-        return inputs[REF_TOKEN_KEY]
-    return None
+        per_token = reference_log_probs(context, reference_model, plan.reference, inputs)
+    elif context.prune_reference or context.prune_common_prefix:
+        per_token = inputs[REF_TOKEN_KEY].to(weights.device)
+    else:
+        return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+    return context.reference_sums(horvitz_thompson(per_token, weights), inputs)
 
 
 def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict,
                    plan: MicroStepPlan) -> MicroStepRecord:
     """The pruned forward of the [chosen; rejected] batch `inputs` as `plan` lays it out (module docstring)."""
     wanted = FIELDS + (("log_sum_sq_probs",) if context.use_weighting else ())
-    masks = masks_to(plan.masks, inputs["input_ids"].device)
+    masks = plan.masks.to(inputs["input_ids"].device)
     # MoE (padded only): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md).
     router = {"output_router_logits": True} if context.aux_loss_enabled else {}
     with compact_lm_head():
@@ -152,23 +152,17 @@ def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict
         aux_loss = outputs.aux_loss * (1.0 if plan.policy.grad.scored else 0.0) if router else None
         with no_grad_block(context.policy, context.checkpointing_kwargs):
             frozen = run_group(model, plan.policy.frozen, wanted, inputs)[0] if plan.prunes_branches else None
-            reference_tokens = _reference_per_token(context, model, plan, inputs)
+            reference = _reference_sums(context, model, plan, masks, inputs)
     # The groups fill disjoint cells (zero elsewhere); combined outside no_grad.
     if frozen is not None:
         for name in wanted:
             per_token[name] = per_token[name] | frozen[name] if name == "is_top1" else per_token[name] + frozen[name]
-    # The estimates (Eqs. 1-3): the policy's terms, and the reference's under the same masks (or exact sums over
-    # every kept position without `prune_reference`).
+    # The policy's estimates (Eqs. 1-3).
     for name in wanted:
         if name != "is_top1":
             per_token[name] = horvitz_thompson(per_token[name].float(), masks.weights)
     per_token["is_top1"] = per_token["is_top1"].bool() & masks.scored
     if plan.prunes_branches:
         per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], masks.branch_scale)
-    if reference_tokens is None:
-        reference = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-    else:
-        weights = masks.weights if context.prune_reference else masks.exact.float()
-        reference = context.reference_sums(horvitz_thompson(reference_tokens.to(weights.device), weights), inputs)
     return MicroStepRecord(plan.step, plan.options, plan.layout, plan.counts, plan.means, plan.prunes_branches,
                            per_token, reference, masks, aux_loss)

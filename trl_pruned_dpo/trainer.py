@@ -29,7 +29,7 @@ from .forward_choice import ForwardChoice
 from .method.masks import PruneMasks, draw_masks, mask_generator
 from .method.plan import HostBatch, Layout, MicroStepPlan, plan_micro_step, plan_reference
 from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
-from .pruned_forward import ForwardContext, MicroStepRecord, masks_to, reference_log_probs, run_micro_step
+from .pruned_forward import ForwardContext, MicroStepRecord, reference_log_probs, run_micro_step
 from .reference import HOST_KEY, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator
 from .safety import checkpoints, guards
 from .safety.data_checks import check_training_pairs
@@ -225,7 +225,7 @@ class PrunedDPOTrainer(DPOTrainer):
         if prunes_branches is None:
             prunes_branches = self.args.branch_keep_prob < 1
         generator = mask_generator(self.args.prune_seed, *self._mask_step, self.accelerator.process_index)
-        masks = masks_to(self.draw_masks(host, options, generator), "cpu")
+        masks = self.draw_masks(host, options, generator).to("cpu")
         reference_scored = None
         if not self.precompute_ref_logps:
             reference_scored = masks.scored if self.args.prune_reference else masks.exact

@@ -8,7 +8,7 @@ Equations refer to docs/method.md.
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.nn import functional as F
@@ -220,6 +220,10 @@ class PruneMasks:
     backprop: torch.Tensor
     branch_scale: torch.Tensor
     exact: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "PruneMasks":
+        """The masks on `device` (a copy; a no-op for tensors already there)."""
+        return PruneMasks(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
 
 
 def draw_masks(
