@@ -13,7 +13,9 @@ from tiny import SAVINGS_OFF, build_trainer, first_batch, loss_and_grads, prefer
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.seam import _HeadRows, head_rows_scored
 from trl_pruned_dpo.method.masks import mask_generator
-from trl_pruned_dpo.pruned_forward import pruned_reference
+from trl_pruned_dpo.method.plan import Layout, plan_micro_step
+from trl_pruned_dpo.pruned_forward import reference_estimate
+from trl_pruned_dpo.reference import host_batch
 from trl_pruned_dpo.reference import REF_TOKEN_COLUMNS
 
 
@@ -152,11 +154,15 @@ def test_precomputed_reference_bf16_matches_stock_and_the_live_reference(tokeniz
     # the same masks on the stored and on the live reference (the live one runs under the trainer's autocast)
     batch_pre, batch_live = first_batch(pre), first_batch(live)
     # On the host, which is also the device here; padded rows on both sides.
-    masks = pre.draw_masks(batch_pre, pre.args.mask_options(), mask_generator(0, 0, 0, 0))
-    with torch.no_grad(), pre.autocast_smart_context_manager():
-        from_store = pruned_reference(pre, batch_pre, masks, masks, (False, False), {})
-    with torch.no_grad(), live.autocast_smart_context_manager():
-        from_live = pruned_reference(live, batch_live, masks, masks, (False, False), {})
+    masks = pre.draw_masks(host_batch(batch_pre), pre.args.mask_options(), mask_generator(0, 0, 0, 0))
+
+    def estimate(trainer, batch):
+        plan = plan_micro_step((0, 0), {}, host_batch(batch), masks, Layout(False, False), prunes_branches=False,
+                               grad_cost=4.0, reference_scored=None if trainer.precompute_ref_logps else masks.scored)
+        with torch.no_grad(), trainer.autocast_smart_context_manager():
+            return reference_estimate(trainer.forward_context(), trainer.model, plan, masks, batch)
+
+    from_store, from_live = estimate(pre, batch_pre), estimate(live, batch_live)
     for a, b in zip(from_store, from_live):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-3, atol=2e-2)
 

@@ -123,7 +123,7 @@ def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: 
     return outputs["log_probs"].float()
 
 
-def _reference_sums(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan, masks: PruneMasks,
+def reference_estimate(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan, masks: PruneMasks,
                     inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) sums under the policy's masks (`prune_reference`), or exact sums over every
     kept position: its per-token log-probs run now under the plan (live) or stored (precomputed), or the stored sums
@@ -152,7 +152,7 @@ def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict
         aux_loss = outputs.aux_loss * (1.0 if plan.policy.grad.scored else 0.0) if router else None
         with no_grad_block(context.policy, context.checkpointing_kwargs):
             frozen = run_group(model, plan.policy.frozen, wanted, inputs)[0] if plan.prunes_branches else None
-            reference = _reference_sums(context, model, plan, masks, inputs)
+            reference = reference_estimate(context, model, plan, masks, inputs)
     # The groups fill disjoint cells (zero elsewhere); combined outside no_grad.
     if frozen is not None:
         for name in wanted:
