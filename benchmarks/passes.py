@@ -35,9 +35,10 @@ last step (the first also starts the data loader's sampler; the JSON has every s
   plugin's metrics) are counted apart (`log` column; `logging_steps=1` here, TRL's default is 10);
 - syncing ops: ops whose output shape depends on a device tensor's values (nonzero, masked_select, boolean indexing,
   unique, repeat_interleave without output_size), which synchronise on CUDA without reading a scalar: device only;
-- the update agreement: the optimizer is SGD (momentum and weight decay 0) at learning rate 1, with transformers'
-  default clipping at 1.0: the first step's update is -(clipped accumulated gradient), read at the optimizer's
-  pre-step hook, in float64: ||d_row - d_stock|| / ||d_stock||.
+- the update agreement: the optimizer is SGD (momentum and weight decay 0) at learning rate 1, so the first step's
+  update is the accumulated gradient of its 4 micro-steps, read just before transformers clips it (clipping at 1.0,
+  its default, would hide a wrong scale), in float64: ||g_row - g_stock|| / ||g_stock||. The JSON also has the
+  clipped update's agreement (what SGD applied, read at the optimizer's pre-step hook) and the norm ratio.
 
 One torch thread. Results: the printed table and benchmarks/results/passes_cpu/passes.json (every read's call site).
 """
@@ -63,11 +64,14 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
+import trl_pruned_dpo
 from benchmarks.step_time import SMOKE_SHAPE, workload_plan
 from benchmarks.workload import build_model, build_trainer, machine_info, quiet
 
-PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLUGIN = os.path.join(PACKAGE, "trl_pruned_dpo") + os.sep
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The plugin as imported (a test run from tests/ may import another checkout's): call sites are matched against it.
+PLUGIN = os.path.dirname(os.path.abspath(trl_pruned_dpo.__file__)) + os.sep
+PACKAGE = os.path.dirname(os.path.dirname(PLUGIN))
 HOST_PLANNER = tuple(f"trl_pruned_dpo/method/{name}" for name in ("masks.py", "plan.py", "tree.py"))
 TORCH = os.path.dirname(torch.__file__) + os.sep
 HERE = os.path.abspath(__file__)
@@ -118,7 +122,8 @@ class StepProbe(TorchDispatchMode):
     counter (step 0: before the first step; "after": the end-of-training work). Phases: "micro-step"
     (`training_step`), "loop" (the training loop around it: fetching, the NaN filter, clipping, the optimizer),
     "step end" (`_maybe_log_save_evaluate` when it does not log: the plugin's guard), "log" (when it logs).
-    `probe.updates[step]`: the update the optimizer applied at that step (float64, flat), when `capture_update`.
+    With `capture_update`, `probe.gradients[step]`: the accumulated gradient before clipping, and
+    `probe.updates[step]`: the update SGD applied (-lr x the clipped gradient), float64, flat.
     """
 
     def __init__(self, trainer, capture_update: bool = True):
@@ -130,7 +135,8 @@ class StepProbe(TorchDispatchMode):
         self.steps: dict = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
         self.sites: dict = collections.defaultdict(collections.Counter)  # (step, kind) -> Counter of call sites
         self.batches: dict = collections.defaultdict(list)  # step -> digests of its micro-batches
-        self.updates: dict = {}
+        self.updates: dict = {}  # step -> what SGD subtracts: lr x the clipped gradient
+        self.gradients: dict = {}  # step -> the accumulated gradient before clipping
         self._undo, self._checkpointed = [], []
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
@@ -264,6 +270,7 @@ class StepProbe(TorchDispatchMode):
             "log" if trainer_.control.should_log else "step end")(original)(trainer_, *a, **k))
         self._patch(trainer, "_maybe_log_save_evaluate", phase("step end"))
         self._patch(trainer, "log", phase("log"))
+        self._patch(trainer, "_clip_grad_norm", self._before_clipping)
         self._undo.append(register_optimizer_step_pre_hook(self._before_update))
         trainer.add_callback(_EpochEnd(self))
         super().__enter__()
@@ -376,16 +383,29 @@ class StepProbe(TorchDispatchMode):
             return inputs
         return prepare
 
+    def _flat_gradient(self, scale=None) -> torch.Tensor:
+        """The policy's gradient, flat, in float64 (times `scale(p)` per parameter when given)."""
+        with self.pause():
+            policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            return torch.cat([
+                (p.grad.detach().double() * (scale(p) if scale else 1.0)).flatten() if p.grad is not None
+                else torch.zeros(p.numel(), dtype=torch.float64)
+                for _, p in policy.named_parameters() if p.requires_grad])
+
+    def _before_clipping(self, original):
+        def clip(*args, **kwargs):
+            if self.capture_update and self.step not in self.gradients:
+                self.gradients[self.step] = self._flat_gradient()
+            return original(*args, **kwargs)
+        return clip
+
     def _before_update(self, optimizer, args, kwargs):
         if not self.capture_update or self.step in self.updates:
             return
-        with self.pause():
-            policy = self.trainer.accelerator.unwrap_model(self.trainer.model)
-            lr = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
-            self.updates[self.step] = torch.cat([
-                (-lr[id(p)] * p.grad.detach().double()).flatten() if p.grad is not None
-                else torch.zeros(p.numel(), dtype=torch.float64)
-                for _, p in policy.named_parameters() if p.requires_grad])
+        if self.step not in self.gradients:  # no clipping (max_grad_norm 0)
+            self.gradients[self.step] = self._flat_gradient()
+        lr = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+        self.updates[self.step] = self._flat_gradient(lambda p: -lr[id(p)])
 
 
 class _EpochEnd(TrainerCallback):
@@ -434,7 +454,7 @@ def measure(trainer, *, capture_update: bool = True) -> dict:
     numbered = sorted(s for s in probe.steps if isinstance(s, int) and s > 0)
     sites = {f"{step}/{phase}": dict(counter.most_common()) for (step, phase), counter in probe.sites.items()}
     return dict(steps={s: step_summary(probe, s) for s in numbered}, batches=dict(probe.batches),
-                update=probe.updates.get(1), sites=sites,
+                gradient=probe.gradients.get(1), update=probe.updates.get(1), sites=sites,
                 history=[h for h in trainer.state.log_history if "loss" in h])
 
 
@@ -504,9 +524,9 @@ def main(argv=None):
     if args.smoke:
         w = replace(w, model_shape=dict(SMOKE_SHAPE))
     checkpointing = args.checkpointing == "on"
-    out = args.out or ("/tmp/passes_smoke" if args.smoke else os.path.join(PACKAGE, "benchmarks", "results",
+    out = args.out or ("/tmp/passes_smoke" if args.smoke else os.path.join(REPO, "benchmarks", "results",
                                                                              "passes_cpu"))
-    meta = dict(command="python -m benchmarks." + os.path.basename(__file__)[:-3] + " " + " ".join(argv or sys.argv[1:]),
+    meta = dict(command=" ".join(["python -m benchmarks.passes", *(sys.argv[1:] if argv is None else argv)]),
                 started=time.strftime("%Y-%m-%d %H:%M:%S"), machine=machine_info("cpu", 1), workload=w.label(),
                 model_shape=w.model_shape, pairs_per_micro_batch=w.batch_size, accumulation=ACCUMULATION,
                 steps=args.steps, shown_step=args.steps, checkpointing=checkpointing, reference="live (noise 0.01)",
@@ -516,7 +536,7 @@ def main(argv=None):
     base = build_model(w)
     results = []
     for loss in args.losses:
-        stock_update = None
+        stock_update = stock_gradient = None
         for row in args.rows:
             t0 = time.time()
             try:
@@ -525,13 +545,14 @@ def main(argv=None):
                 results.append(dict(loss=loss, row=row, error=f"{type(error).__name__}: {error}".splitlines()[0]))
                 print(f"[{time.time() - started:5.0f}s] {loss} {row}: {results[-1]['error'][:160]}", flush=True)
                 continue
-            update = r.pop("update")
+            update, gradient = r.pop("update"), r.pop("gradient")
             if row == "stock":
-                stock_update = update
-            r.update(loss=loss, row=row, seconds=round(time.time() - t0, 1))
-            if stock_update is not None and update is not None:
-                r["agreement"] = agreement(update, stock_update)
-                r["update_norm"] = float(update.norm())
+                stock_update, stock_gradient = update, gradient
+            r.update(loss=loss, row=row, seconds=round(time.time() - t0, 1), gradient_norm=float(gradient.norm()))
+            if stock_update is not None:
+                r["agreement"] = agreement(gradient, stock_gradient)
+                r["clipped_update_agreement"] = agreement(update, stock_update)
+                r["gradient_norm_ratio"] = float(gradient.norm() / stock_gradient.norm())
             results.append(r)
             s = r["steps"][args.steps]
             print(f"[{time.time() - started:5.0f}s] {loss} {row}: passes {s['policy']}+{s['reference']} "
