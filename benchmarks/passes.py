@@ -1,15 +1,17 @@
 """Passes over the model and device->host reads per optimizer step, stock TRL against the plugin (issue 44, item 5).
 
-    python -m benchmarks.passes             # bench model, 8 pairs x gradient accumulation 4, sigmoid and aot
+    python -m benchmarks.passes             # bench model, 8 pairs x gradient accumulation 4, sigmoid, aot_unpaired
     python -m benchmarks.passes --smoke     # a tiny model: checks the script (its numbers are the tiny model's)
 
 On a GPU a step of these sizes is bound by the host (PITFALLS.md, "Where a GPU step's time goes"): kernel launches and
 device->host syncs, not FLOPs. A CPU cannot time either, so this counts them, per optimizer step, for stock
 `trl.DPOTrainer`, the plugin's defaults (`PrunedDPOConfig()`: padding_free and share_prompt on) and its exact preset
-(defaults + `prune_common_prefix`), for two losses: `sigmoid`, and `aot`, the TRL 1.16 loss with a batch statistic (it
-sorts the micro-batch's log-ratios; TRL 1.16's `bco_pair` and `sppo_hard` are per-pair functions, the former's running
-mean is gone). The config refuses the exact preset with `aot` (`prune_common_prefix` is exact only for losses of
-D_w - D_l), so that cell says so instead of a number.
+(defaults + `prune_common_prefix`), for two losses: `sigmoid`, and `aot_unpaired`, a TRL 1.16 loss with a batch
+statistic: it sorts the micro-batch's chosen and rejected log-ratios apart and pairs them by rank, so a row's term
+depends on the others. (TRL 1.16's `bco_pair` and `sppo_hard` are per-pair functions, `bco_pair`'s running mean is gone;
+`aot` sorts the policy's and the reference's chosen - rejected differences, whose orders agree on these pairs, so its
+value equals sigmoid's here.) The config refuses the exact preset with it (`prune_common_prefix` is exact only for
+losses of D_w - D_l), so that cell says so instead of a number.
 
 Each row is one `trainer.train()` of `--steps` optimizer steps (default 2) of 8 pairs x accumulation 4, from the same
 initial weights and on the same batches (checked: the batches' digests must agree across rows); the table shows the
@@ -81,7 +83,7 @@ ROWS = {  # row -> (side, PrunedDPOConfig fields)
     "defaults": ("pruned", {}),
     "exact": ("pruned", {"prune_common_prefix": True}),
 }
-LOSSES = ("sigmoid", "aot")
+LOSSES = ("sigmoid", "aot_unpaired")
 PAIRS, ACCUMULATION = 8, 4
 
 aten = torch.ops.aten

@@ -2,8 +2,8 @@
 
 One `train()` of 2 optimizer steps of 2 pairs x gradient accumulation 4 on the tiny 2-layer model (checkpointing on,
 TRL's default), per row: stock `DPOTrainer`, the plugin's defaults (padding_free, share_prompt) and its exact preset
-(+ prune_common_prefix), with `sigmoid`, and the defaults with `aot` (TRL 1.16's loss with a batch statistic: it sorts
-the micro-batch). Counted by `benchmarks.passes.StepProbe` on the second step: decoder-layer calls (policy, reference,
+(+ prune_common_prefix), with `sigmoid`, and the defaults with `aot_unpaired` (a TRL 1.16 loss with a batch statistic:
+it pairs the micro-batch's sorted chosen and rejected log-ratios by rank). Counted by `benchmarks.passes.StepProbe` on the second step: decoder-layer calls (policy, reference,
 checkpointing replays) and device->host reads (`raw`: every scalar read and `tolist`/`numpy`; `reads`: without the host
 planner's; `device`: of tensors derived from the device batch or the weights), and the first step's update (SGD at
 learning rate 1: the accumulated gradient) against stock's.
@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.passes import HOST_PLANNER, agreement, measure  # noqa: E402
 
 LAYERS, ACCUMULATION, PAIRS, STEPS = 2, 4, 2, 2
-CELLS = [("sigmoid", "stock"), ("sigmoid", "defaults"), ("sigmoid", "exact"), ("aot", "stock"), ("aot", "defaults")]
+BATCH_LOSS = "aot_unpaired"
+CELLS = [("sigmoid", "stock"), ("sigmoid", "defaults"), ("sigmoid", "exact"), (BATCH_LOSS, "stock"),
+         (BATCH_LOSS, "defaults")]
 PLUGIN_CELLS = [cell for cell in CELLS if cell[1] != "stock"]
 # Measured (here and on the bench model): TRL's 15 metric reads of `_compute_loss`, as stock's, + transformers'
 # packed-sequence check (masking_utils.find_packed_sequence_indices) in each packed forward, policy and reference.
@@ -60,7 +62,13 @@ def test_every_row_trains_the_same_batches(measured):
     assert all(len(r["batches"][step]) == ACCUMULATION for r in measured.values() for step in (1, 2))
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "aot"])
+def test_the_batch_statistic_is_live(measured):
+    """The batch-statistic loss pairs rows by rank, not as sigmoid does: its update is not sigmoid's (else its
+    agreement checks would repeat sigmoid's)."""
+    assert agreement(measured[(BATCH_LOSS, "stock")]["gradient"], measured[("sigmoid", "stock")]["gradient"]) > 1e-3
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", BATCH_LOSS])
 def test_stock_runs_each_layer_once_per_micro_step_for_policy_reference_and_replay(measured, loss):
     """The counter itself: stock's policy forward, reference forward and checkpointing replay, per layer per micro-step
     (a pass the probe misses or counts twice fails here)."""
