@@ -492,11 +492,11 @@ def format_table(results: list[dict], step) -> str:
     """One line per (loss, row): step `step`'s decoder-layer calls, passes against stock's (policy + reference),
     reads (without the host planner's; raw; of device provenance), syncing ops, host->device copies, the logging
     step's reads, and the first step's update against stock's."""
-    head = (f"{'loss':<8} {'row':<9} {'policy':>6} {'nograd':>6} {'ref':>4} {'recomp':>6} {'passes':>7} "
+    head = (f"{'loss':<12} {'row':<9} {'policy':>6} {'nograd':>6} {'ref':>4} {'recomp':>6} {'passes':>7} "
             f"{'reads':>5} {'raw':>4} {'device':>6} {'sync':>4} {'h2d':>4} {'log':>3} {'update vs stock':>15}")
     lines = [head, "-" * len(head)]
     for r in results:
-        cell = f"{r['loss']:<8} {r['row']:<9}"
+        cell = f"{r['loss']:<12} {r['row']:<9}"
         if "error" in r:
             lines.append(f"{cell} {r['error'][:100]}")
             continue
