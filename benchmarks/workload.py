@@ -403,6 +403,7 @@ def build_trainer(
     learning_rate: float = 1e-6,
     dataset=None,
     lora_r: int = 0,
+    training: dict | None = None,
 ):
     """`side` is "stock" (TRL's `DPOTrainer` + `DPOConfig`) or "pruned" (`PrunedDPOTrainer` + `PrunedDPOConfig`).
 
@@ -410,6 +411,8 @@ def build_trainer(
     reference), or none with `precompute_ref_log_probs=True` (then TRL precomputes with the policy itself, as it does
     for users). `dataset`: the pairs (default: `build_dataset(w)`). `lora_r` > 0: a LoRA adapter of that rank on every
     projection (the real-model study's), the reference being the policy with its adapter off (TRL: no copy).
+    `training`: further `DPOConfig` fields, the same on both sides (they override the benchmark's own, e.g.
+    `gradient_accumulation_steps`, `optim`, `loss_type`, `logging_steps`: benchmarks/passes.py).
     """
     from trl import DPOConfig, DPOTrainer
 
@@ -422,7 +425,7 @@ def build_trainer(
     else:
         raise ValueError(f"side must be 'stock' or 'pruned', got {side!r}")
 
-    args = config_cls(
+    fields = dict(
         output_dir=output_dir or scratch_dir(side),
         per_device_train_batch_size=w.batch_size,
         max_length=None,  # no truncation: the response lengths are what the cell says
@@ -439,8 +442,8 @@ def build_trainer(
         save_strategy="no",
         dataloader_num_workers=0,
         disable_tqdm=True,
-        **extra,
     )
+    args = config_cls(**{**fields, **(training or {}), **extra})
     if side == "pruned":
         from trl_pruned_dpo.config import uses_pruned_forward
 
