@@ -29,6 +29,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..errors import DiskFullError, ResumeError
 
@@ -334,13 +335,13 @@ def disk_full_as_error(what: str, where: str | os.PathLike, output_dir: str | os
         raise DiskFullError(disk_full_message(what, where, output_dir or where)) from None
 
 
-def _agree(trainer, error: BaseException | None) -> tuple[str | None, int | None, bool]:
+def _agree(args: Any, error: BaseException | None) -> tuple[str | None, int | None, bool]:
     """Every process learns whether any failed, and why: (the one-line reason, the failing process, whether it is a
     full disk), the same on all, or (None, None, False). One exchange of small objects, instead of a barrier that a
-    process which died would never reach."""
+    process which died would never reach. `args`: the trainer's (its process index and world size)."""
     local = None if error is None else " ".join(str(error).split()) or type(error).__name__
-    me, full = trainer.args.process_index, isinstance(error, DiskFullError)
-    if trainer.args.world_size == 1:
+    me, full = args.process_index, isinstance(error, DiskFullError)
+    if args.world_size == 1:
         return local, (None if local is None else me), full
     from accelerate.utils import gather_object
 
@@ -383,7 +384,7 @@ def save_complete(trainer, save, model, trial, run_state: dict, run_dir: str) ->
         for step in (files, lambda: mark_complete(folder, args, trainer.state.global_step) if args.should_save
                      else None):
             error = attempt(step)
-            reason, rank, full = _agree(trainer, error)  # every file is written before the marker, on every process
+            reason, rank, full = _agree(args, error)  # every file is written before the marker, on every process
             if reason is None:
                 continue
             if full and trainer.is_world_process_zero():  # one process cleans: the others may share the folder

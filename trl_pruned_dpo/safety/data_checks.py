@@ -20,6 +20,7 @@ checked: counting them would consume them.
 """
 
 import warnings
+from typing import Any
 
 import numpy as np
 
@@ -110,7 +111,7 @@ def check_training_pairs(trainer, given) -> None:
     findings, error = None, None
     if accelerator.is_main_process:
         try:
-            findings = _findings(trainer, given)
+            findings = _findings(trainer.train_dataset, trainer.args, trainer.processing_class, given)
         except (ValueError, EmptyTrainingSet) as refused:
             error = refused
     if accelerator.num_processes > 1:
@@ -126,13 +127,14 @@ def check_training_pairs(trainer, given) -> None:
         _warn(findings)
 
 
-def _findings(trainer, given) -> dict | None:
-    prepared, args = trainer.train_dataset, trainer.args
+def _findings(prepared: Any, args: Any, tokenizer: Any, given: Any) -> dict | None:
+    """What `_warn` says of the prepared training pairs (`prepared`: the trainer's `train_dataset`, `tokenizer`: its
+    `processing_class`, `given`: the dataset passed to it), or None when there is nothing to check; refuses a dataset
+    that cannot train."""
     if not hasattr(prepared, "__len__") or not {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(
             prepared.column_names or ()):
         return None
     max_length = args.max_length
-    tokenizer = trainer.processing_class
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's public tokenizer
     eos_id = getattr(tokenizer, "eos_token_id", None)
     n_before = len(given) if hasattr(given, "__len__") else None

@@ -11,6 +11,7 @@ import shlex
 import signal
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import PROG
 from . import checkpoints
@@ -68,7 +69,9 @@ class StopRequest:
         return 0 if self.signal_number is None else 128 + self.signal_number
 
 
-def _stop_callback(request: StopRequest, trainer):
+def _stop_callback(request: StopRequest, accelerator: Any, fused_read: bool) -> Any:
+    """The callback that stops training after the step a signal arrived in. `accelerator`: the trainer's;
+    `fused_read`: the trainer reads the stop flag in its own one read per step (guards.check_step)."""
     import torch
     from transformers import TrainerCallback
 
@@ -77,11 +80,11 @@ def _stop_callback(request: StopRequest, trainer):
 
         def on_step_end(self, args, state, control, **kwargs):
             requested = request.signal_number is not None
-            if args.world_size > 1 and getattr(trainer, "reads_stop_signal", False):
+            if args.world_size > 1 and fused_read:
                 return control  # the trainer's one fused read per step agrees on it (guards.check_step)
             if args.world_size > 1:  # every process must stop at the same step, whichever one the signal reached
-                flag = torch.tensor([float(requested)], device=trainer.accelerator.device)
-                requested = bool(trainer.accelerator.reduce(flag, reduction="sum").item() > 0)
+                flag = torch.tensor([float(requested)], device=accelerator.device)
+                requested = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
             if requested:
                 control.should_training_stop = True
                 control.should_save = True
@@ -107,7 +110,7 @@ def stop_on_signals(trainer):
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, handler)
-    callback = _stop_callback(request, trainer)
+    callback = _stop_callback(request, trainer.accelerator, getattr(trainer, "reads_stop_signal", False))
     trainer.add_callback(callback)
     trainer.run_state.stop_request = request
     try:
