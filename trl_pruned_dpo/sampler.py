@@ -52,7 +52,8 @@ class PromptGroupSampler(Sampler):
     resume. transformers and accelerate call `set_epoch` at each epoch."""
 
     def __init__(self, groups: list[list[int]], batch_size: int, seed: int):
-        self.groups, self.batch_size, self.seed, self.epoch = groups, batch_size, seed, 0
+        self.groups, self.batch_size, self.seed = groups, batch_size, seed
+        self.epoch = 0
         self.size = sum(len(g) for g in groups)
 
     def set_epoch(self, epoch: int) -> None:

@@ -197,12 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     compare = "--compare" in argv  # stock DPOTrainer, then the pruned one, side by side (cli/compare.py)
     argv = [a for a in argv if a != "--compare"]
     try:
-        script_args, training_args, model_args, dataset_args, launch_args, cli_remaining = parse(argv)
+        # The script, training, model and dataset arguments, then the accelerate options and what is left for them.
+        *trl_args, launch_args, cli_remaining = parse(argv)
         if compare:
-            return _compare(script_args, training_args, model_args, dataset_args, launch_args)
+            return _compare(*trl_args, launch_args)
         if launch_args and not under_launcher():
             return launch(launch_args, _without(argv, cli_remaining))
-        return train(script_args, training_args, model_args, dataset_args, started)
+        return train(*trl_args, started)
     except RUN_ERRORS as error:  # errors.py: bad input, resume or output_dir (2), diverged or disk full (1)
         _print_error(" ".join(str(error).split()))
         return exit_code(error)

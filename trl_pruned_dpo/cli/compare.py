@@ -29,7 +29,9 @@ class _HeldOutCurve(TrainerCallback):
     and this process's CPU time (user + system, all threads), which a busy shared machine disturbs much less."""
 
     def __init__(self):
-        self.points, self.wall, self.cpu, self.started = [], 0.0, 0.0, None
+        self.points = []
+        self.wall, self.cpu = 0.0, 0.0
+        self.started = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.started = (time.perf_counter(), time.process_time())

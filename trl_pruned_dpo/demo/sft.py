@@ -45,11 +45,14 @@ SFT_MODELS = {"tiny-demo-sft": SFTRecipe()}
 
 def sft_examples(recipe: SFTRecipe, seed: int) -> list[dict[str, str]]:
     """SFT examples of the recipe's task and sizes, none with a prompt of the DPO dataset's train or test split."""
-    task, low, high, _, n_test = BUILTIN_VARIANTS[recipe.dataset]
-    if n_test != recipe.held_out_pairs:  # the recipe's hash names the cache folder: it must change with the split
-        raise ValueError(f"SFTRecipe.held_out_pairs={recipe.held_out_pairs} but {recipe.dataset} draws {n_test}.")
+    variant = BUILTIN_VARIANTS[recipe.dataset]
+    # The recipe's hash names the cache folder: it must change with the split.
+    if variant.n_test != recipe.held_out_pairs:
+        raise ValueError(f"SFTRecipe.held_out_pairs={recipe.held_out_pairs} but {recipe.dataset} draws "
+                         f"{variant.n_test}.")
     held = {p for split in load_builtin(recipe.dataset, seed).values() for p in split["prompt"]}
-    rows = make_examples(task, recipe.n_examples, recipe.data_seed + seed, low, high)
+    rows = make_examples(variant.task, recipe.n_examples, recipe.data_seed + seed, variant.min_size,
+                         variant.max_size)
     return [row for row in rows if row["prompt"] not in held]
 
 

@@ -20,6 +20,7 @@ Completions start with a space and prompts end on ``" ="``, so a character-level
 
 import random
 import string
+from typing import NamedTuple
 
 from datasets import Dataset, DatasetDict
 
@@ -171,11 +172,23 @@ def make_splits(
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_SPLIT_SIZES = {"train": 4096, "test": 256}
-# Named variants: (task, min_size, max_size, train pairs, test pairs drawn). `sort-short` (1 to 12 numbers, responses
-# of 2 to ~36 tokens) is what the SFT-warm-started demo model (demo/sft.py) learns to rank within a minute of CPU.
-# Its 1024 drawn test pairs leave 969 once the prompts seen in training are dropped: enough that one evaluation's
-# sampling error (~0.013 at an accuracy of 0.85) is below the differences the demo reports.
-BUILTIN_VARIANTS = {"sort-short": ("sort", 1, 12, 2048, 1024)}
+
+
+class Variant(NamedTuple):
+    """A named variant of a task: its sizes (`min_size` to `max_size`), the train pairs and the test pairs drawn."""
+
+    task: str
+    min_size: int
+    max_size: int
+    n_train: int
+    n_test: int
+
+
+# Named variants. `sort-short` (1 to 12 numbers, responses of 2 to ~36 tokens) is what the SFT-warm-started demo model
+# (demo/sft.py) learns to rank within a minute of CPU. Its 1024 drawn test pairs leave 969 once the prompts seen in
+# training are dropped: enough that one evaluation's sampling error (~0.013 at an accuracy of 0.85) is below the
+# differences the demo reports.
+BUILTIN_VARIANTS = {"sort-short": Variant("sort", 1, 12, 2048, 1024)}
 
 
 REAL_TEXT = "python-docs"  # real English text in the conversational format (realtext.py)
@@ -210,8 +223,8 @@ def load_builtin(name: str, seed: int = 0) -> DatasetDict:
 
         return make_docstring_splits(seed)
     if task in BUILTIN_VARIANTS:
-        task, low, high, n_train, n_test = BUILTIN_VARIANTS[task]
-        return make_splits(task, n_train, n_test, seed, low, high)
+        variant = BUILTIN_VARIANTS[task]
+        return make_splits(variant.task, variant.n_train, variant.n_test, seed, variant.min_size, variant.max_size)
     if task not in TASKS + ("mix",):
         raise ValueError(f"Unknown built-in dataset {name!r}: choose among {builtin_names()}.")
     return make_splits(task, BUILTIN_SPLIT_SIZES["train"], BUILTIN_SPLIT_SIZES["test"], seed)

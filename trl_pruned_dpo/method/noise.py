@@ -211,15 +211,20 @@ class Running:
         self.sums = dict(state or {})
 
     def add(self, name, x):
-        w, w2, sx, sxx = self.sums.get(name, [0.0, 0.0, 0.0, 0.0])
+        sums = self.sums.get(name, [0.0, 0.0, 0.0, 0.0])
+        # The weights (Σ w, Σ w²) and the weighted moments (Σ w x, Σ w x²) age by one sample; x enters with w = 1.
+        w, w2 = sums[:2]
+        sx, sxx = sums[2:]
         self.sums[name] = [DECAY * w + 1, DECAY ** 2 * w2 + 1, DECAY * sx + x, DECAY * sxx + x * x]
 
     def count(self, name):  # effective number of samples
-        w, w2, _, _ = self.sums.get(name, [0.0, 1.0, 0.0, 0.0])
+        w, w2 = self.sums.get(name, [0.0, 1.0, 0.0, 0.0])[:2]
         return w * w / w2
 
     def mean(self, name, z=0.0, spread=0.0):  # z: a normal quantile; the bound is Student's t at the samples'
-        w, w2, sx, sxx = self.sums[name]  # degrees of freedom; `spread`: a known floor on one sample's variance
+        sums = self.sums[name]  # degrees of freedom; `spread`: a known floor on one sample's variance
+        w = sums[0]
+        sx, sxx = sums[2:]
         mean, dof = sx / w, max(self.count(name) - 1, 1)
         return mean + student(z, dof) * math.sqrt(max(sxx / w - mean * mean, 0.0, spread) / dof)
 
