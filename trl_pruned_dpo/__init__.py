@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 hide_import_notices()  # before TRL imports bitsandbytes (notices.py: one message of one logger)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> type:
     if name == "PrunedDPOConfig":
         from .config import PrunedDPOConfig
 

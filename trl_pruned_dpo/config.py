@@ -32,7 +32,7 @@ BRANCH_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 POSITION_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 
 
-def keep_prob_or_auto(value):
+def keep_prob_or_auto(value: float | str) -> float | str:
     """A keep probability as written in Python, YAML or on the command line: a number, or the string "auto".
 
     Used as the fields' type so that TRL's argument parser converts "0.5" to 0.5 and keeps "auto" (a `float | str`
@@ -278,7 +278,7 @@ class PrunedDPOConfig(DPOConfig):
             raise TypeError(f"`prune_seed` must be an integer or None, got {self.prune_seed!r}.")
 
     def _validate_pruning(self):
-        def in_range(name, low, high, low_open):
+        def in_range(name: str, low: float, high: float, low_open: bool) -> None:
             value = getattr(self, name)
             if name in AUTO_FIELDS:
                 if isinstance(value, str):
@@ -338,7 +338,7 @@ class PrunedDPOConfig(DPOConfig):
 EXACT_SAVINGS = ("padding_free", "share_prompt")  # on by default; exact: no estimator (docs/method.md)
 
 
-def uses_pruned_forward(args) -> bool:
+def uses_pruned_forward(args: object) -> bool:
     """THE switch between the plugin's forward and TRL's own: with it False, training, the reference precompute, the
     collator and the signature columns are stock's (exact parity by construction, docs/parity.md).
 

@@ -32,7 +32,7 @@ class HostCopyCollator:
 
     collator: Any
 
-    def __call__(self, examples):
+    def __call__(self, examples: list[dict]) -> dict:
         batch = self.collator(examples)
         batch[HOST_KEY] = HostBatch(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
         return batch
@@ -53,7 +53,7 @@ class PerTokenReferenceCollator:
 
     collator: Any
 
-    def __call__(self, examples):
+    def __call__(self, examples: list[dict]) -> dict:
         if REF_TOKEN_COLUMNS[0] not in examples[0]:
             return self.collator(examples)
         stripped = [{k: v for k, v in ex.items() if k not in REF_TOKEN_COLUMNS} for ex in examples]
@@ -72,7 +72,7 @@ class PerTokenReferenceCollator:
         return batch
 
 
-def pruned_collator(collator, args, train_dataset):
+def pruned_collator(collator: Any, args: Any, train_dataset: Any) -> Any:
     """TRL's collator, wrapped for the pruned forward: stored per-token reference values (with a precomputed
     reference), and the host copy of the token layout (not for an iterable dataset, whose batches may be dispatched
     across processes, which carries tensors only)."""

@@ -11,6 +11,8 @@ group keep their dataset order. A resumed run rebuilds the same order and skips 
 
 import warnings
 from collections import deque
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -18,7 +20,7 @@ from torch.utils.data import Sampler
 LOOKAHEAD = 64  # groups looked at to fill a batch's room before one is split
 
 
-def prompt_groups_of(prompts) -> list[list[int]]:
+def prompt_groups_of(prompts: Iterable[list | Hashable]) -> list[list[int]]:
     """The indices of each distinct prompt (token ids, or any hashable row), in order of first appearance."""
     groups: dict = {}
     for index, prompt in enumerate(prompts):
@@ -67,7 +69,7 @@ class PromptGroupSampler(Sampler):
         return iter(grouped_order(self.groups, self.batch_size, generator))
 
 
-def prompt_group_sampler(args, dataset, batch_size: int) -> PromptGroupSampler | None:
+def prompt_group_sampler(args: Any, dataset: Any, batch_size: int) -> PromptGroupSampler | None:
     """The training sampler `group_by_prompt` asks for, over TRL's tokenized dataset (its `prompt_ids` column), seeded
     as transformers seeds its own (`data_seed`, else `seed`); None when it is off, or (said in one line) when the
     dataset has no length or no `prompt_ids` (an IterableDataset: its own order)."""

@@ -21,6 +21,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 _PROGRAM_STARTED = time.perf_counter()  # this module loads first (the package imports lazily): the program's start
 
@@ -32,6 +34,11 @@ from .data import apply_thread_count, check_splits, go_offline, hub_unreachable,
 from .data import resolve_model  # noqa: E402 - patched by tests to prove nothing is loaded before a refusal
 from .parse import LAUNCHED_ENV, parse, under_launcher  # noqa: E402
 from .summary import summarize  # noqa: E402
+
+if TYPE_CHECKING:
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
+
+    from ..config import PrunedDPOConfig
 
 __all__ = ["main", "parse", "summarize", "train"]
 
@@ -78,17 +85,19 @@ class _OutputGuard:
         self.main = is_main_process()
         self.created = self.main and not self.path.exists()
 
-    def __enter__(self):
+    def __enter__(self) -> "_OutputGuard":
         return self
 
-    def __exit__(self, kind, error, traceback):
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> bool:
         if (kind is not None and self.main and self.created and self.path.is_dir()
                 and not any(self.path.glob("checkpoint-*"))):
             shutil.rmtree(self.path, ignore_errors=True)
         return False
 
 
-def train(script_args, training_args, model_args, dataset_args, started: float | None = None) -> int:
+def train(script_args: "ScriptArguments", training_args: "PrunedDPOConfig", model_args: "ModelConfig",
+          dataset_args: "DatasetMixtureConfig", started: float | None = None) -> int:
     """Train in this process, as `trl dpo`'s script does, with `PrunedDPOTrainer`. Returns the exit code."""
     import transformers
     from packaging.version import Version
@@ -180,7 +189,8 @@ def silence_library_noise() -> None:
     hide_import_notices()
 
 
-def _compare(script_args, training_args, model_args, dataset_args, launch_args) -> int:
+def _compare(script_args: "ScriptArguments", training_args: "PrunedDPOConfig", model_args: "ModelConfig",
+             dataset_args: "DatasetMixtureConfig", launch_args: list[str]) -> int:
     if launch_args:
         raise InputError(f"--compare runs both trainers in this process: drop the accelerate options {launch_args}.")
     from .compare import compare

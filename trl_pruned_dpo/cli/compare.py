@@ -15,12 +15,19 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..errors import PROG, InputError
 from ..safety.checkpoints import give_default_modes
 from .data import apply_thread_count, check_splits, go_offline, load_data, resolve_model
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from trl import DatasetMixtureConfig, DPOConfig, ModelConfig, ScriptArguments
+
+    from ..config import PrunedDPOConfig
 
 
 class _HeldOutCurve(TrainerCallback):
@@ -28,27 +35,30 @@ class _HeldOutCurve(TrainerCallback):
     steps' own, from each step's start to its end (evaluation, logging and saving excluded), on two clocks: wall time
     and this process's CPU time (user + system, all threads), which a busy shared machine disturbs much less."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.points = []
         self.wall, self.cpu = 0.0, 0.0
         self.started = None
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
         self.started = (time.perf_counter(), time.process_time())
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         if self.started is not None:
             self.wall += time.perf_counter() - self.started[0]
             self.cpu += time.process_time() - self.started[1]
             self.started = None
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
         if not metrics or "eval_rewards/accuracies" not in metrics:
             return
         self.points.append((state.global_step, self.cpu, float(metrics["eval_rewards/accuracies"])))
 
 
-def _stock_config(pruned_args):
+def _stock_config(pruned_args: "PrunedDPOConfig") -> "DPOConfig":
     """A `trl.DPOConfig` with every DPOConfig field of `pruned_args` (the pruning fields dropped), and `padding_free`
     False: TRL 1.16 ignores it (it pads, with a warning) and the plugin's default is True."""
     from trl import DPOConfig
@@ -57,7 +67,8 @@ def _stock_config(pruned_args):
     return DPOConfig(**{**values, "padding_free": False})
 
 
-def _run(trainer_class, args, model_path, train_dataset, eval_dataset, peft_config=None) -> tuple[object, dict]:
+def _run(trainer_class: type, args: "DPOConfig", model_path: str, train_dataset: "Dataset",
+         eval_dataset: "Dataset | None", peft_config: Any = None) -> tuple[object, dict]:
     curve = _HeldOutCurve()
     trainer = trainer_class(model=model_path, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                             callbacks=[curve], peft_config=peft_config)
@@ -128,7 +139,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def compare(script_args, training_args, model_args, dataset_args) -> int:
+def compare(script_args: "ScriptArguments", training_args: "PrunedDPOConfig", model_args: "ModelConfig",
+            dataset_args: "DatasetMixtureConfig") -> int:
     """Train stock, then pruned; print the rows, write compare.json and compare.png. Returns the exit code."""
     from trl import DPOTrainer, get_peft_config
 

@@ -5,10 +5,16 @@ import os
 import socket
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import InputError
 from ..notices import progress_bars_hidden
+
+if TYPE_CHECKING:
+    from trl import DatasetMixtureConfig, ScriptArguments
+
+    from ..config import PrunedDPOConfig
 
 def hub_unreachable() -> str | None:
     """Why the Hub cannot be used now (offline mode, no route), or None. A 3 s probe, instead of the ~25 s of
@@ -83,7 +89,7 @@ def resolve_model(name: str | None, revision: str | None = None) -> str:
     return name
 
 
-def load_data(script_args, dataset_args):
+def load_data(script_args: "ScriptArguments", dataset_args: "DatasetMixtureConfig") -> tuple[Any, str]:
     """The dataset `trl dpo` would load, plus `builtin:<task>`. Returns (DatasetDict, display name)."""
     from datasets import load_dataset
     from trl import get_dataset
@@ -124,7 +130,8 @@ def _file_builder(name: str) -> str:
     return builder
 
 
-def check_splits(dataset, name: str, script_args, training_args):
+def check_splits(dataset: Any, name: str, script_args: "ScriptArguments",
+                 training_args: "PrunedDPOConfig") -> tuple[Any, Any]:
     """The train (and, when evaluating, test) split, with the columns DPO needs."""
     splits = list(dataset.keys())
     wanted = [("dataset_train_split", script_args.dataset_train_split)]

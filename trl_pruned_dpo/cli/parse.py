@@ -8,9 +8,13 @@ type, an invalid value or an output folder that cannot be written is one line, b
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import PROG, InputError
 from ..safety.output_dir import check_writable, is_main_process
+
+if TYPE_CHECKING:
+    from trl import TrlParser
 
 LAUNCHED_ENV = "TRL_PRUNED_DPO_LAUNCHED"  # set by the launching process: its children train instead of relaunching
 
@@ -74,7 +78,7 @@ def _split_remaining(remaining: list[str], known: set[str]) -> tuple[list[str], 
     return launch, unknown
 
 
-def _suggest(name: str, parser) -> str:
+def _suggest(name: str, parser: "TrlParser") -> str:
     import difflib
 
     fields = [a.dest for a in parser._actions]
@@ -82,7 +86,7 @@ def _suggest(name: str, parser) -> str:
     return f" (did you mean `{close[0]}`?)" if close else ""
 
 
-def _remaining_strings(parser, argv: list[str]) -> tuple[list[str], list[str]]:
+def _remaining_strings(parser: "TrlParser", argv: list[str]) -> tuple[list[str], list[str]]:
     """What `parse_args_and_config` leaves over (YAML keys, command-line strings), without building the dataclasses."""
     import yaml
 
@@ -197,7 +201,7 @@ def _raise_usage_error(message: str):
     raise InputError(f"{message}. Fix it in the YAML or on the command line (`{PROG} --help` lists every option).")
 
 
-def check_yaml_value_types(parser, argv: list[str]) -> None:
+def check_yaml_value_types(parser: "TrlParser", argv: list[str]) -> None:
     """Refuse YAML values of the wrong type. The YAML becomes argparse defaults, and argparse converts (and checks)
     only string defaults: `per_device_train_batch_size: 2.5` would reach the dataclasses unchecked and fail deep in
     training with a traceback."""

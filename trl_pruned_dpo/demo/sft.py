@@ -16,7 +16,9 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,7 +58,7 @@ def sft_examples(recipe: SFTRecipe, seed: int) -> list[dict[str, str]]:
     return [row for row in rows if row["prompt"] not in held]
 
 
-def encode(tokenizer, rows) -> list[tuple[list[int], int]]:
+def encode(tokenizer: Any, rows: list[dict[str, str]]) -> list[tuple[list[int], int]]:
     """(ids, first completion index) per row: ``<bos> prompt completion <eos>``, as TRL lays out a DPO sequence for
     the demo's tokenizer."""
     encoded = []
@@ -67,7 +69,7 @@ def encode(tokenizer, rows) -> list[tuple[list[int], int]]:
     return encoded
 
 
-def _batch(encoded, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(encoded: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, labels, attention_mask), right-padded; labels only on the completion (and its EOS)."""
     width = max(len(ids) for ids, _ in encoded)
     input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
@@ -80,15 +82,16 @@ def _batch(encoded, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return input_ids, labels, attention
 
 
-def train_causal_lm(model, encoded: list[tuple[list[int], int]], steps: int, batch_size: int, learning_rate: float,
-                    warmup: int, pad_id: int, order: random.Random, log, log_every: int = 100):
+def train_causal_lm(model: torch.nn.Module, encoded: list[tuple[list[int], int]], steps: int, batch_size: int,
+                    learning_rate: float, warmup: int, pad_id: int, order: random.Random, log: Callable[[str], None],
+                    log_every: int = 100) -> torch.nn.Module:
     """The one SFT loop of the project (the demo's warm start, the toy quality study's, the real-model study's):
     `steps` AdamW steps on `batch_size` examples drawn from `encoded` ((ids, first completion index) pairs) with
     `order`, the loss on the completion tokens only, linear warm-up then cosine decay to a tenth, gradients clipped
     at 1. Trains `model` in place (train mode); the caller seeds torch and sets the thread count."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
 
-    def lr_factor(step):
+    def lr_factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, steps - warmup)
@@ -110,7 +113,8 @@ def train_causal_lm(model, encoded: list[tuple[list[int], int]], steps: int, bat
     return model
 
 
-def fine_tune(model, recipe: SFTRecipe, seed: int = 0, log=None):
+def fine_tune(model: torch.nn.Module, recipe: SFTRecipe, seed: int = 0,
+              log: Callable[[str], None] | None = None) -> torch.nn.Module:
     """Train `model` (a fresh built-in init) in place by `recipe`; returns it in eval mode. Leaves the caller's
     global RNGs untouched."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))

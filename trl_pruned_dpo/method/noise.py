@@ -8,6 +8,7 @@ measures (tensors); this module estimates and chooses (floats).
 """
 
 import math
+from typing import Any
 
 from ..config import BRANCH_GRID, POSITION_GRID
 
@@ -25,7 +26,7 @@ def student(z: float, dof: float) -> float:
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * d ** 3))
 
 
-def head_share(config) -> float:
+def head_share(config: Any) -> float:
     """Share of a token's FLOPs in the LM head (d V against ~4 d² + 3 d f per layer); 0 if unknown."""
     d, layers, vocab = (getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
     if None in (d, layers, vocab):
@@ -107,7 +108,7 @@ class ProbeLevels:
     """The last three exact blocks' log tr Σ (None: unresolved) and a probe block waiting for the exact block after
     it: each probe's log(r + 1) sample, `ratio_<family>`, and the exact blocks' `jitter`, into a Running."""
 
-    def __init__(self, state=None):
+    def __init__(self, state: dict | None = None):
         self.levels, self.probe = list((state or {}).get("levels", [])), (state or {}).get("probe")
 
     def state_dict(self) -> dict:
@@ -139,7 +140,9 @@ def branch_idle(stats: "Running") -> set:
         1 - MIN_GAIN) * stats.mean("work_exact") else set()
 
 
-def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_auto, branch_half_cost=0.75, room=0.0):
+def choose(b_simple: float, r_branch: float, r_position: float, batch: int, head: float, branch_auto: bool,
+           position_auto: bool, branch_half_cost: float = 0.75,
+           room: float = 0.0) -> tuple[float, float, float, str]:
     """(branch p, position p, time ratio, reason): (A1) minimised over the grids within +MAX_STEP_INFLATION steps; where
     the loss curve allows more (`room`, LossCurve.room: 1 - 1/f up to it, A3), the least work per step within it."""
     flat = room > 1 - 1 / (1 + MAX_STEP_INFLATION)  # equal steps: the curve has flattened (A3)
@@ -171,7 +174,7 @@ class LossCurve:
     """The training loss of each optimizer step (reduced over ranks): its start, and its recent level and rate as
     one-sided UPPER_Z bounds from a least-squares line over the last LOSS_WINDOW steps (A3)."""
 
-    def __init__(self, state=None):
+    def __init__(self, state: dict | None = None):
         self.start, self.recent = list((state or {}).get("start", [])), list((state or {}).get("recent", []))
 
     def state_dict(self) -> dict:
@@ -207,28 +210,28 @@ class LossCurve:
 class Running:
     """Decayed sums per quantity: mean, and standard error from the spread and the effective sample count."""
 
-    def __init__(self, state=None):  # name -> [Σ w, Σ w², Σ w x, Σ w x²], w = DECAY^age
+    def __init__(self, state: dict | None = None):  # name -> [Σ w, Σ w², Σ w x, Σ w x²], w = DECAY^age
         self.sums = dict(state or {})
 
-    def add(self, name, x):
+    def add(self, name: str, x: float) -> None:
         sums = self.sums.get(name, [0.0, 0.0, 0.0, 0.0])
         # The weights (Σ w, Σ w²) and the weighted moments (Σ w x, Σ w x²) age by one sample; x enters with w = 1.
         w, w2 = sums[:2]
         sx, sxx = sums[2:]
         self.sums[name] = [DECAY * w + 1, DECAY ** 2 * w2 + 1, DECAY * sx + x, DECAY * sxx + x * x]
 
-    def count(self, name):  # effective number of samples
+    def count(self, name: str) -> float:  # effective number of samples
         w, w2 = self.sums.get(name, [0.0, 1.0, 0.0, 0.0])[:2]
         return w * w / w2
 
-    def mean(self, name, z=0.0, spread=0.0):  # z: a normal quantile; the bound is Student's t at the samples'
+    def mean(self, name: str, z: float = 0.0, spread: float = 0.0) -> float:  # z: a normal quantile; the bound is Student's t at the samples'
         sums = self.sums[name]  # degrees of freedom; `spread`: a known floor on one sample's variance
         w = sums[0]
         sx, sxx = sums[2:]
         mean, dof = sx / w, max(self.count(name) - 1, 1)
         return mean + student(z, dof) * math.sqrt(max(sxx / w - mean * mean, 0.0, spread) / dof)
 
-    def ratio(self, num, den, cross, z=0.0):
+    def ratio(self, num: str, den: str, cross: str, z: float = 0.0) -> float:
         """mean(num) / mean(den) of quantities added together (`cross`: their product), z standard errors above
         (below, if negative) by the delta method: from the spread of num - R den, so that a scale both share (the
         gradient norms shrinking as training goes on) cancels; an unresolved mean(den) shows as a wide spread. inf

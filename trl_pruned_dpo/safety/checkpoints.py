@@ -27,11 +27,15 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DiskFullError, ResumeError
+
+if TYPE_CHECKING:
+    from ..config import PrunedDPOConfig
 
 MARKER = "pruned_dpo_complete.json"
 RUN_STATE = "pruned_dpo_run_state.json"  # per process: logging window and worst values, so a resume logs like no resume
@@ -59,7 +63,7 @@ def _is_content(path: Path) -> bool:
 # --- writing --------------------------------------------------------------------------------------------------------
 
 
-def pruning_config(args) -> dict:
+def pruning_config(args: "PrunedDPOConfig") -> dict:
     return {name: getattr(args, name) for name in PRUNING_FIELDS}
 
 
@@ -113,7 +117,7 @@ def write_json_atomic(path: Path, content: dict) -> None:
     _fsync(path.parent, directory=True)
 
 
-def mark_complete(folder: str | os.PathLike, args, step: int) -> None:
+def mark_complete(folder: str | os.PathLike, args: "PrunedDPOConfig", step: int) -> None:
     """Write the completion marker of `folder`: every file flushed to disk first, then the manifest, atomically."""
     folder = Path(folder)
     give_default_modes(folder)
@@ -138,7 +142,7 @@ def unmark(folder: str | os.PathLike) -> None:
     (folder / SAVING).touch()
 
 
-def _run_state_path(folder, rank: int) -> Path:
+def _run_state_path(folder: str | os.PathLike, rank: int) -> Path:
     return Path(folder) / RUN_STATE.replace(".json", f"-{rank}.json")
 
 
@@ -224,7 +228,7 @@ def stored_pruning(folder: str | os.PathLike) -> dict | None:
         return None
 
 
-def pruning_differences(folder: str | os.PathLike, args) -> list[str]:
+def pruning_differences(folder: str | os.PathLike, args: "PrunedDPOConfig") -> list[str]:
     """`field: checkpoint value -> this run's value` for every pruning field that differs."""
     stored = stored_pruning(folder) or {}
     now = pruning_config(args)
@@ -232,12 +236,12 @@ def pruning_differences(folder: str | os.PathLike, args) -> list[str]:
             if name in stored and stored[name] != now[name]]
 
 
-def is_resume_request(value) -> bool:
+def is_resume_request(value: str | bool | None) -> bool:
     """`--resume_from_checkpoint true/auto/last` (any case), or `True` from Python."""
     return value is True or (isinstance(value, str) and value.strip().lower() in ("true", "auto", "last"))
 
 
-def resolve_resume(value, args) -> tuple[str | None, str | None]:
+def resolve_resume(value: str | bool | None, args: "PrunedDPOConfig") -> tuple[str | None, str | None]:
     """The checkpoint to resume from for `resume_from_checkpoint=value`, and a sentence saying what was chosen.
 
     `True`/"true"/"auto"/"last": the newest complete checkpoint in `args.output_dir`, skipping incomplete newer ones.
@@ -335,7 +339,7 @@ def disk_full_as_error(what: str, where: str | os.PathLike, output_dir: str | os
         raise DiskFullError(disk_full_message(what, where, output_dir or where)) from None
 
 
-def _agree(args: Any, error: BaseException | None) -> tuple[str | None, int | None, bool]:
+def _agree(args: "PrunedDPOConfig", error: BaseException | None) -> tuple[str | None, int | None, bool]:
     """Every process learns whether any failed, and why: (the one-line reason, the failing process, whether it is a
     full disk), the same on all, or (None, None, False). One exchange of small objects, instead of a barrier that a
     process which died would never reach. `args`: the trainer's (its process index and world size)."""
@@ -352,7 +356,8 @@ def _agree(args: Any, error: BaseException | None) -> tuple[str | None, int | No
     return reason, rank, full
 
 
-def save_complete(trainer, save, model, trial, run_state: dict, run_dir: str) -> None:
+def save_complete(trainer: Any, save: Callable[[Any, Any], None], model: Any, trial: Any, run_state: dict,
+                  run_dir: str) -> None:
     """`save(model, trial)` (TRL's checkpoint, in `run_dir`), then every process's `run_state` and the completion
     marker; older checkpoints are rotated only after the new one is complete. A failure on any process (a full disk
     said in one line, the partial folder removed by the main process) ends every process with the same one-line
@@ -364,7 +369,7 @@ def save_complete(trainer, save, model, trial, run_state: dict, run_dir: str) ->
     name = os.path.basename(folder)
     limit, args.save_total_limit = args.save_total_limit, None
 
-    def attempt(step) -> BaseException | None:
+    def attempt(step: Callable[[], object]) -> BaseException | None:
         try:
             step()
         except Exception as error:  # shared with every process below

@@ -12,11 +12,15 @@ import os
 import socket
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import OutputDirError
 from . import checkpoints
+
+if TYPE_CHECKING:
+    from ..config import PrunedDPOConfig
 
 LOCK_NAME = ".trl-pruned-dpo.lock"
 
@@ -74,7 +78,7 @@ def check_free(output_dir: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _busy(output_dir, path: Path) -> OutputDirError:
+def _busy(output_dir: str | os.PathLike, path: Path) -> OutputDirError:
     return OutputDirError(f"output_dir {output_dir} is in use by another trl-pruned-dpo run ({_owner(path)}): wait "
                           f"for it to end, or choose another output_dir (two runs would overwrite each other's "
                           "checkpoints).")
@@ -119,7 +123,7 @@ class OutputLock:
         self.fd = fd
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         if self.fd is not None:
             try:
                 self.path.unlink(missing_ok=True)  # while still locked: a waiting run then retries on a new file
@@ -135,7 +139,7 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def preflight(training_args) -> None:
+def preflight(training_args: "PrunedDPOConfig") -> None:
     """One-line errors (OutputDirError, ResumeError) before any work: writable, not in use, resumable."""
     check_writable(training_args.output_dir)
     if is_main_process():  # the other ranks would see their own run's lock
@@ -143,6 +147,6 @@ def preflight(training_args) -> None:
     checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args)
 
 
-def output_lock(output_dir):
+def output_lock(output_dir: str | os.PathLike) -> AbstractContextManager:
     """`OutputLock(output_dir)` in the main process; nothing in the other ranks of the same run."""
     return OutputLock(output_dir) if is_main_process() else nullcontext()

@@ -9,8 +9,10 @@ import json
 import os
 import shlex
 import signal
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from ..errors import PROG
@@ -78,7 +80,7 @@ def _stop_callback(request: StopRequest, accelerator: Any, fused_read: bool) -> 
     class StopOnSignal(TrainerCallback):
         """Turns a caught signal into "stop after this step, and save a checkpoint of it"."""
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             requested = request.signal_number is not None
             if args.world_size > 1 and fused_read:
                 return control  # the trainer's one fused read per step agrees on it (guards.check_step)
@@ -94,12 +96,12 @@ def _stop_callback(request: StopRequest, accelerator: Any, fused_read: bool) -> 
 
 
 @contextmanager
-def stop_on_signals(trainer):
+def stop_on_signals(trainer: Any) -> Iterator[StopRequest]:
     """Within the block, SIGTERM and SIGINT stop training cleanly at the end of the current step (see module doc)."""
     request = StopRequest()
     previous = {}
 
-    def handler(number, frame):
+    def handler(number: int, frame: FrameType | None) -> None:
         request.signal_number = number
         request.signal_name = signal.Signals(number).name
         for sig, old in previous.items():  # a second signal acts as it would have without us
