@@ -181,7 +181,8 @@ class PrunedDPOConfig(DPOConfig):
             "docs/method.md, 'Packed layout'). Off: `--share_prompt false --padding_free false`."
         },
     )
-    padding_free: bool = field(  # DPOConfig's field, default False there and ignored by stock TRL 1.16
+    # `padding_free` is DPOConfig's field, default False there and ignored by stock TRL 1.16.
+    padding_free: bool = field(
         default=True,
         metadata={
             "help": "Pack several pairs per row, no padding (exact; on by default; falls back, with one warning, on "
@@ -249,7 +250,8 @@ class PrunedDPOConfig(DPOConfig):
 
     def __post_init__(self):
         self._default_bf16_to_hardware()
-        with checkpointing_names_quiet():  # DPOConfig's own default sets the deprecated name (notices.py)
+        # DPOConfig's own default sets the deprecated name (notices.py).
+        with checkpointing_names_quiet():
             super().__post_init__()
         self._validate_pruning()
         self._validate_prune_seed()
@@ -283,7 +285,8 @@ class PrunedDPOConfig(DPOConfig):
             if name in AUTO_FIELDS:
                 if isinstance(value, str):
                     try:
-                        value = keep_prob_or_auto(value)  # "0.5" from a YAML string
+                        # A YAML string such as "0.5".
+                        value = keep_prob_or_auto(value)
                     except ValueError:
                         raise TypeError(f"`{name}` must be a number in (0, 1] or 'auto', got {value!r}.") from None
                     setattr(self, name, value)
@@ -301,7 +304,8 @@ class PrunedDPOConfig(DPOConfig):
         in_range("prefix_prune_prob", 0.0, 1.0, low_open=False)
         in_range("prefix_min_ratio", 0.0, 1.0, low_open=True)
         unknown = [loss for loss in self.loss_type if loss not in TRL_LOSS_TYPES]
-        if unknown and self.pruning_enabled:  # pruning off: TRL's own (later) error, as stock
+        # With pruning off: TRL's own (later) error, as stock.
+        if unknown and self.pruning_enabled:
             raise ValueError(f"Unknown `loss_type` {unknown}: choose among {list(TRL_LOSS_TYPES)}.")
         for name in ("share_prompt", "padding_free", "group_by_prompt"):
             if not isinstance(getattr(self, name), bool):
@@ -335,7 +339,8 @@ class PrunedDPOConfig(DPOConfig):
                 )
 
 
-EXACT_SAVINGS = ("padding_free", "share_prompt")  # on by default; exact: no estimator (docs/method.md)
+# The exact savings: on by default, and exact (no estimator; docs/method.md).
+EXACT_SAVINGS = ("padding_free", "share_prompt")
 
 
 def uses_pruned_forward(args: object) -> bool:

@@ -67,7 +67,8 @@ def _without_savings(args: "PrunedDPOConfig", why: ValueError | str) -> ForwardC
     return ForwardChoice(pruned=not stock, why=str(why))
 
 
-def before_trl(args: "PrunedDPOConfig", train_dataset: Any, processing_class: Any, always_pruned: bool = False) -> ForwardChoice:
+def before_trl(args: "PrunedDPOConfig", train_dataset: Any, processing_class: Any,
+               always_pruned: bool = False) -> ForwardChoice:
     """Whether the plugin's forward runs, before TRL's constructor (its precompute follows it): refuse what the
     pruned forward cannot do. `always_pruned`: the plugin's forward even with everything off (benchmarks)."""
     if not uses_pruned_forward(args):

@@ -102,7 +102,8 @@ def precompute_per_token(accelerator: Any, args: Any, collator: Any, model: torc
     sums, values, lengths = ({"chosen": [], "rejected": []} for _ in range(3))
     for batch in loader:
         response = batch["completion_mask"][:, 1:].bool()
-        with accelerator.autocast():  # as TRL's compute_ref_log_probs: bf16 stores what stock stores
+        # As TRL's compute_ref_log_probs: bf16 stores what stock stores.
+        with accelerator.autocast():
             per_token = reference_log_probs(model, batch, response)
         chosen_sum, rejected_sum = reference_sums(batch, per_token)
         # pad every process's batch to the same width, then gather (dataset order; duplicates of the last batch
@@ -113,7 +114,8 @@ def precompute_per_token(accelerator: Any, args: Any, collator: Any, model: torc
         for i, branch in enumerate(("chosen", "rejected")):
             branch_values, branch_response = gathered[2 + i].cpu(), gathered[4 + i].cpu().bool()
             sums[branch].append(gathered[i].float().cpu())
-            values[branch].append(branch_values[branch_response])  # row-major: row by row, in order
+            # Row-major: row by row, in order.
+            values[branch].append(branch_values[branch_response])
             lengths[branch].append(branch_response.sum(dim=1))
     columns = {}
     for branch in ("chosen", "rejected"):

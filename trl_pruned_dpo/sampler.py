@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-LOOKAHEAD = 64  # groups looked at to fill a batch's room before one is split
+# Groups looked at to fill a batch's room before one is split.
+LOOKAHEAD = 64
 
 
 def prompt_groups_of(prompts: Iterable[list | Hashable]) -> list[list[int]]:
@@ -35,7 +36,8 @@ def grouped_order(groups: list[list[int]], batch_size: int, generator: torch.Gen
     order, room = [], batch_size
     while pending:
         fits = next((i for i, g in zip(range(LOOKAHEAD), pending) if len(g) <= room), None)
-        if fits is None:  # split the next group: its head fills this batch, its rest waits at the front
+        # Split the next group: its head fills this batch, its rest waits at the front.
+        if fits is None:
             group = pending.popleft()
             taken, rest = group[:room], group[room:]
             pending.appendleft(rest)

@@ -53,7 +53,8 @@ def install() -> None:
     from .demo import resolve_model
     from .demo.export import export_builtin
 
-    if trl.DPOTrainer is PrunedDPOTrainer:  # installed already in this process
+    # Installed already in this process.
+    if trl.DPOTrainer is PrunedDPOTrainer:
         return
     trl.DPOConfig = PrunedDPOConfig
     trl.DPOTrainer = PrunedDPOTrainer

@@ -74,7 +74,8 @@ def _run(trainer_class: type, args: "DPOConfig", model_path: str, train_dataset:
                             callbacks=[curve], peft_config=peft_config)
     trainer.train()
     if not curve.points or curve.points[-1][0] != trainer.state.global_step:
-        trainer.evaluate()  # the final point: the run ends with an evaluation, as the CLI's do
+        # The final point: the run ends with an evaluation, as the CLI's runs do.
+        trainer.evaluate()
     history = trainer.state.log_history
     shares = [e["prune/tokens_executed"] for e in history if "prune/tokens_executed" in e]
     return trainer, {
@@ -83,7 +84,8 @@ def _run(trainer_class: type, args: "DPOConfig", model_path: str, train_dataset:
         "train_seconds": curve.wall,
         "train_cpu_seconds": curve.cpu,
         "held_out_accuracy": curve.points[-1][2],
-        "tokens_executed": sum(shares) / len(shares) if shares else 1.0,  # stock runs the full graph
+        # Stock runs the full graph.
+        "tokens_executed": sum(shares) / len(shares) if shares else 1.0,
         "curve": curve.points,
     }
 
@@ -125,7 +127,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         steps, seconds, accuracy = zip(*row["curve"])
         axes[0].plot(steps, accuracy, marker="o", label=row["trainer"])
         axes[1].plot(seconds, accuracy, marker="o", label=row["trainer"])
-    for axis in axes:  # a coin flip; step 0 itself scores 0 (policy = reference: every margin is a tie)
+    for axis in axes:
+        # 0.5 is a coin flip; step 0 itself scores 0 (policy = reference: every margin is a tie).
         axis.axhline(0.5, color="grey", linestyle="--", linewidth=1)
     axes[0].set(xlabel="step", ylabel="held-out reward accuracy", ylim=(0.4, 1.0), xlim=(0, None))
     axes[1].set(xlabel="training CPU time (s, evaluation excluded)")
@@ -153,7 +156,8 @@ def compare(script_args: "ScriptArguments", training_args: "PrunedDPOConfig", mo
         raise InputError("--compare needs settings that differ from stock: the exact savings (`share_prompt`, "
                          "`padding_free`, on by default) or a pruning, e.g. `prefix_prune_prob: 0.5`.")
     apply_thread_count()
-    go_offline()  # the demo is offline; a hub model must be in the local cache
+    # The demo is offline; a hub model must be in the local cache.
+    go_offline()
     model_path = resolve_model(model_args.model_name_or_path, model_args.model_revision)
     dataset, name = load_data(script_args, dataset_args)
     train_dataset, eval_dataset = check_splits(dataset, name, script_args, training_args)
@@ -162,12 +166,15 @@ def compare(script_args: "ScriptArguments", training_args: "PrunedDPOConfig", mo
     for label, trainer_class, args in (("stock", DPOTrainer, _stock_config(training_args)),
                                        ("pruned", PrunedDPOTrainer, training_args)):
         print(f"--compare: training {trainer_class.__name__} ({label}) ...", flush=True)
-        with tempfile.TemporaryDirectory(prefix=f"compare-{label}-") as scratch:  # what a trainer writes on its own
+        # A scratch folder for what a trainer writes on its own.
+        with tempfile.TemporaryDirectory(prefix=f"compare-{label}-") as scratch:
             args.output_dir = scratch
+            # `use_peft`: the same LoRA for both trainers.
             trainer, row = _run(trainer_class, args, model_path, train_dataset, eval_dataset,
-                                get_peft_config(model_args))  # `use_peft`: the same LoRA for both
+                                get_peft_config(model_args))
             rows.append(row)
-    trainer.save_model(str(output))  # the pruned model, where a plain run of the same config saves it
+    # The pruned model, where a plain run of the same config saves it.
+    trainer.save_model(str(output))
     give_default_modes(output)
     (output / "compare.json").write_text(json.dumps(rows, indent=1))
     drawn = plot(rows, output / "compare.png")

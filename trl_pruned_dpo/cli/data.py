@@ -37,7 +37,8 @@ def go_offline() -> None:
     from huggingface_hub import constants
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    constants.HF_HUB_OFFLINE = True  # both libraries read these at call time; the env var only at import
+    # Both libraries read these flags at call time, the environment variable only at import.
+    constants.HF_HUB_OFFLINE = True
     datasets.config.HF_HUB_OFFLINE = True
 
 
@@ -64,7 +65,8 @@ def resolve_model(name: str | None, revision: str | None = None) -> str:
         raise InputError("no model given: set `model_name_or_path` (a local folder, a hub id, or builtin:tiny-demo).")
     if is_builtin(name):
         try:
-            with progress_bars_hidden():  # building it once prints its own line; stock `trl dpo` shows no such bars
+            # Building it once prints its own line; stock `trl dpo` shows no such bars.
+            with progress_bars_hidden():
                 return resolve_builtin(name)
         except ValueError as error:
             raise InputError(str(error)) from None
@@ -97,7 +99,8 @@ def load_data(script_args: "ScriptArguments", dataset_args: "DatasetMixtureConfi
     from ..demo.tasks import BUILTIN_PREFIX, load_builtin
 
     name = script_args.dataset_name
-    if dataset_args.datasets:  # like `trl dpo`: a mixture wins over `dataset_name`
+    # Like `trl dpo`: a mixture wins over `dataset_name`.
+    if dataset_args.datasets:
         name, load = "the `datasets` mixture", partial(get_dataset, dataset_args)
     elif not name:
         raise InputError("no dataset given: set `dataset_name` (a hub id, a local folder, or builtin:mix) or "
@@ -110,7 +113,8 @@ def load_data(script_args: "ScriptArguments", dataset_args: "DatasetMixtureConfi
         load = partial(load_dataset, name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     try:
         return load(), name
-    except Exception as error:  # datasets raises many types (DatasetNotFoundError, ConnectionError, ValueError, ...)
+    except Exception as error:
+        # The datasets library raises many types (DatasetNotFoundError, ConnectionError, ValueError, ...).
         from huggingface_hub import constants
 
         hint = " (the Hub is offline or unreachable and it is not cached)" if constants.HF_HUB_OFFLINE else ""

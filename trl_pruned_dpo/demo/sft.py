@@ -30,16 +30,21 @@ from .tokenizer import build_tokenizer
 class SFTRecipe:
     """What determines a warm-started model (its cache folder is keyed by a hash of these fields)."""
 
-    base: str = "tiny-demo"  # the BUILTIN_MODELS entry it starts from
-    dataset: str = "sort-short"  # the BUILTIN_VARIANTS entry whose task and sizes it trains on
+    # The BUILTIN_MODELS entry it starts from.
+    base: str = "tiny-demo"
+    # The BUILTIN_VARIANTS entry whose task and sizes it trains on.
+    dataset: str = "sort-short"
     n_examples: int = 8192
     steps: int = 400
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup: int = 30
-    data_seed: int = 2_000_003  # far from the DPO splits' seeds (0 and 1_000_003)
-    threads: int = 1  # torch threads while training: the result then does not depend on the caller's thread count
-    held_out_pairs: int = 1024  # test pairs drawn for the DPO dataset (tasks.BUILTIN_VARIANTS), kept out of SFT
+    # Far from the DPO splits' seeds (0 and 1_000_003).
+    data_seed: int = 2_000_003
+    # Torch threads while training: the result then does not depend on the caller's thread count.
+    threads: int = 1
+    # Test pairs drawn for the DPO dataset (tasks.BUILTIN_VARIANTS), kept out of SFT.
+    held_out_pairs: int = 1024
 
 
 SFT_MODELS = {"tiny-demo-sft": SFTRecipe()}
@@ -121,7 +126,8 @@ def fine_tune(model: torch.nn.Module, recipe: SFTRecipe, seed: int = 0,
     tokenizer = build_tokenizer()
     encoded = encode(tokenizer, sft_examples(recipe, seed))
     threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.threads)  # a thread count may change the order of reductions, hence the weights
+    # A thread count may change the order of reductions, hence the weights.
+    torch.set_num_threads(recipe.threads)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -78,7 +78,8 @@ def is_correct(task: str | None, prompt: str, completion: str) -> bool:
     prompt_task, body = _parse(prompt)
     if task not in (None, "mix", prompt_task):
         raise ValueError(f"Prompt {prompt!r} is a {prompt_task!r} prompt, not {task!r}.")
-    answer = completion.split("<", 1)[0].strip()  # drop "<eos>" and anything generated after it
+    # Drop "<eos>" and anything generated after it.
+    answer = completion.split("<", 1)[0].strip()
     if prompt_task == "add":
         a, b = (int(t) for t in body.split("+"))
         return answer.rpartition("=>")[2].strip() == str(a + b)
@@ -90,7 +91,8 @@ def is_correct(task: str | None, prompt: str, completion: str) -> bool:
 
 def _sort_example(rng: random.Random, size: int) -> tuple[str, str, str]:
     items = [rng.randrange(100) for _ in range(size)]
-    if size >= 2 and len(set(items)) == 1:  # a swap needs two distinct values
+    # A swap needs two distinct values.
+    if size >= 2 and len(set(items)) == 1:
         items[0] = (items[0] + 1) % 100
     prompt = "sort: " + " ".join(map(str, items)) + " ="
     answer = sorted(items)
@@ -136,7 +138,8 @@ def make_examples(
     """`n` examples as dicts with prompt/chosen/rejected, a pure function of the arguments."""
     if task not in TASKS + ("mix",):
         raise ValueError(f"Unknown demo task {task!r}: choose among {list(TASKS + ('mix',))}.")
-    rng = random.Random(f"trl-pruned-dpo/{task}/{seed}")  # str seeds hash with SHA-512: stable across runs
+    # String seeds hash with SHA-512: stable across runs.
+    rng = random.Random(f"trl-pruned-dpo/{task}/{seed}")
     examples = []
     for index in range(n):
         name = TASKS[index % len(TASKS)] if task == "mix" else task
@@ -191,9 +194,12 @@ class Variant(NamedTuple):
 BUILTIN_VARIANTS = {"sort-short": Variant("sort", 1, 12, 2048, 1024)}
 
 
-REAL_TEXT = "python-docs"  # real English text in the conversational format (realtext.py)
-RANKED_TEXT = "python-docs-ranked"  # the same text, 4 graded answers and all 6 pairs per prompt (ranked.py)
-REAL_TEXT_DOCSTRINGS = "python-docstrings"  # the standard library's docstrings, the same format (realtext.py)
+# Real English text in the conversational format (realtext.py).
+REAL_TEXT = "python-docs"
+# The same text, 4 graded answers and all 6 pairs per prompt (ranked.py).
+RANKED_TEXT = "python-docs-ranked"
+# The standard library's docstrings, the same format (realtext.py).
+REAL_TEXT_DOCSTRINGS = "python-docstrings"
 
 
 def builtin_names() -> list[str]:

@@ -38,9 +38,11 @@ if TYPE_CHECKING:
     from ..config import PrunedDPOConfig
 
 MARKER = "pruned_dpo_complete.json"
-RUN_STATE = "pruned_dpo_run_state.json"  # per process: logging window and worst values, so a resume logs like no resume
+# Per process: the logging window and the worst values, so that a resume logs like no resume.
+RUN_STATE = "pruned_dpo_run_state.json"
 MARKER_VERSION = 1
-SAVING = "pruned_dpo_saving"  # written before a checkpoint's first file, removed once its marker is in place
+# Written before a checkpoint's first file, removed once its marker is in place.
+SAVING = "pruned_dpo_saving"
 
 # The fields that decide which masks are drawn (docs/method.md) and which pairs share a batch (`group_by_prompt`);
 # compared on resume.
@@ -71,7 +73,8 @@ def _fsync(path: Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
-    except OSError as error:  # some filesystems cannot fsync a directory; the data files were synced
+    except OSError as error:
+        # Some filesystems cannot fsync a directory; the data files were synced.
         if not directory or error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
             raise
     finally:
@@ -104,7 +107,8 @@ def write_json_atomic(path: Path, content: dict) -> None:
     """Write `content` to `path` so that a reader sees either nothing or all of it (write, fsync, rename). The
     temporary file's name is unique, so writers on several nodes sharing a filesystem never write the same file."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.chmod(temporary, default_mode())  # mkstemp creates it 0600; the marker is as readable as the checkpoint
+    # `mkstemp` creates it 0600; the marker is as readable as the checkpoint.
+    os.chmod(temporary, default_mode())
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(json.dumps(content, indent=1, sort_keys=True))
@@ -352,7 +356,8 @@ def _agree(args: "PrunedDPOConfig", error: BaseException | None) -> tuple[str | 
     failed = [f for f in gather_object([(me, local, full)]) if f[1] is not None]
     if not failed:
         return None, None, False
-    rank, reason, full = min(failed, key=lambda f: (not f[2], f[0]))  # a full disk first: it names the remedy
+    # A full disk first: it names the remedy.
+    rank, reason, full = min(failed, key=lambda f: (not f[2], f[0]))
     return reason, rank, full
 
 
@@ -372,7 +377,8 @@ def save_complete(trainer: Any, save: Callable[[Any, Any], None], model: Any, tr
     def attempt(step: Callable[[], object]) -> BaseException | None:
         try:
             step()
-        except Exception as error:  # shared with every process below
+        except Exception as error:
+            # The error is shared with every process below.
             if is_disk_full(error, folder):
                 return DiskFullError(disk_full_message(name, folder, run_dir) + " The incomplete checkpoint was "
                                      "removed.")
@@ -389,10 +395,12 @@ def save_complete(trainer: Any, save: Callable[[Any, Any], None], model: Any, tr
         for step in (files, lambda: mark_complete(folder, args, trainer.state.global_step) if args.should_save
                      else None):
             error = attempt(step)
-            reason, rank, full = _agree(args, error)  # every file is written before the marker, on every process
+            # Every file is written before the marker, on every process.
+            reason, rank, full = _agree(args, error)
             if reason is None:
                 continue
-            if full and trainer.is_world_process_zero():  # one process cleans: the others may share the folder
+            # One process cleans: the others may share the folder.
+            if full and trainer.is_world_process_zero():
                 shutil.rmtree(folder, ignore_errors=True)
             if rank == args.process_index:
                 raise error

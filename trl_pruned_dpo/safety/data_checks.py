@@ -62,7 +62,8 @@ def _token_lists(table: "pa.Table", name: str) -> tuple[np.ndarray, np.ndarray]:
     return column.offsets.to_numpy(), column.values.to_numpy(zero_copy_only=False)
 
 
-def _identical(chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray], rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def _identical(chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray], rows: np.ndarray,
+               lengths: np.ndarray) -> np.ndarray:
     """For each of `rows` (whose chosen and rejected both have `lengths` tokens): are the two lists equal?"""
     total = int(lengths.sum())
     if total == 0:
@@ -141,7 +142,8 @@ def _findings(prepared: Any, args: "PrunedDPOConfig", tokenizer: Any, given: Any
             prepared.column_names or ()):
         return None
     max_length = args.max_length
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's public tokenizer
+    # A processor's public tokenizer.
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     eos_id = getattr(tokenizer, "eos_token_id", None)
     n_before = len(given) if hasattr(given, "__len__") else None
     if len(prepared) == 0 and n_before:

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # by the weight: with keep probabilities 0.01 a measured run had 28 of 30 steps with gradient norm 0 and the others
 # near 1,000. 20 is e.g. branch 0.25 with position 0.2; docs/cli.md "Failures and resume".
 MAX_INVERSE_WEIGHT = 20.0
-_HISTORY = 100  # steps in the running median
+# Steps in the running median.
+_HISTORY = 100
 
 
 def check_not_empty(dataset: Any, args: "PrunedDPOConfig") -> None:
@@ -41,7 +42,8 @@ def check_not_empty(dataset: Any, args: "PrunedDPOConfig") -> None:
     are refused earlier, when the trainer is built: data_checks.py.)"""
     try:
         rows = len(dataset)
-    except TypeError:  # an IterableDataset: its length is unknown before iterating
+    except TypeError:
+        # An IterableDataset: its length is unknown before iterating.
         return
     if not rows:
         raise EmptyTrainingSet("the training dataset has no rows: check the dataset and its train split.")
@@ -85,8 +87,10 @@ class DivergenceGuard:
     """Watches each optimizer step's loss and gradient norm; keeps the worst values seen."""
 
     def __init__(self, factor: float | None = None):
-        self.factor = factor  # `divergence_factor`: None, only non-finite values stop a run
-        self.worst_loss: tuple[int, float] | None = None  # (step, value), the largest |loss|
+        # `divergence_factor`: with None, only non-finite values stop a run.
+        self.factor = factor
+        # The largest |loss|, as (step, value).
+        self.worst_loss: tuple[int, float] | None = None
         self.worst_grad_norm: tuple[int, float] | None = None
         self.nonfinite_steps = 0
         self.zero_grad_steps = 0
@@ -177,7 +181,8 @@ def step_values(accelerator: Any, world: int, loss: "torch.Tensor", grad_norm: "
     device = loss.device
     norm = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(
         math.nan if grad_norm is None else float(grad_norm))
-    if hasattr(norm, "full_tensor"):  # FSDP2's clip_grad_norm_ returns the (replicated) total norm as a DTensor
+    # FSDP2's clip_grad_norm_ returns the (replicated) total norm as a DTensor.
+    if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     values = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(device),
                           torch.tensor(float(stop_requested), device=device)])
@@ -201,9 +206,11 @@ def check_step(trainer: Any, run_state: Any, loss: "torch.Tensor", grad_norm: "t
     request = run_state.stop_request
     signalled = request is not None and request.signal_number is not None
     if not guard_on and (request is None or args.world_size == 1):
-        return None  # the signal callback decides alone in a single process
+        # The signal callback decides alone in a single process.
+        return None
     loss_value, norm, stop = step_values(trainer.accelerator, args.world_size, loss, grad_norm, signalled)
-    if stop:  # a signal reached some process: all stop here, with a checkpoint of this step
+    # A signal reached some process: all stop here, with a checkpoint of this step.
+    if stop:
         control.should_training_stop = control.should_save = True
     if not guard_on:
         return None

@@ -91,7 +91,8 @@ class OutputLock:
         self.output_dir = output_dir
         self.path = Path(output_dir) / LOCK_NAME
         self.fd: int | None = None
-        self.took_over: str | None = None  # the owner named by a stale lock file that was taken over
+        # The owner named by a stale lock file that was taken over.
+        self.took_over: str | None = None
 
     def __enter__(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +127,8 @@ class OutputLock:
     def __exit__(self, *exc: object) -> bool:
         if self.fd is not None:
             try:
-                self.path.unlink(missing_ok=True)  # while still locked: a waiting run then retries on a new file
+                # Unlinked while still locked: a waiting run then retries on a new file.
+                self.path.unlink(missing_ok=True)
             except OSError:
                 pass
             os.close(self.fd)
@@ -142,7 +144,8 @@ def is_main_process() -> bool:
 def preflight(training_args: "PrunedDPOConfig") -> None:
     """One-line errors (OutputDirError, ResumeError) before any work: writable, not in use, resumable."""
     check_writable(training_args.output_dir)
-    if is_main_process():  # the other ranks would see their own run's lock
+    # The other ranks would see their own run's lock.
+    if is_main_process():
         check_free(training_args.output_dir)
     checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args)
 

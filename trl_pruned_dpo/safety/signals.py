@@ -19,15 +19,18 @@ from ..errors import PROG
 from . import checkpoints
 from .output_dir import is_main_process
 
-_command: list[str] | None = None  # the command line of this run, for the "resume with" hint
-_COMMAND_ENV = "TRL_PRUNED_DPO_COMMAND"  # the user's command line, for processes started by `accelerate launch`
+# The command line of this run, for the "resume with" hint.
+_command: list[str] | None = None
+# The user's command line, for processes started by `accelerate launch`.
+_COMMAND_ENV = "TRL_PRUNED_DPO_COMMAND"
 
 
 def remember_command(argv: list[str]) -> None:
     """Keep this run's arguments for the "resume with" hint; launched processes get the launching one's (theirs
     lack the accelerate flags)."""
     global _command
-    inherited = os.environ.get(_COMMAND_ENV) if "LOCAL_RANK" in os.environ else None  # started by a launcher
+    # LOCAL_RANK is set when a launcher started this process.
+    inherited = os.environ.get(_COMMAND_ENV) if "LOCAL_RANK" in os.environ else None
     _command = json.loads(inherited) if inherited else list(argv)
     os.environ[_COMMAND_ENV] = json.dumps(_command)
 
@@ -83,8 +86,10 @@ def _stop_callback(request: StopRequest, accelerator: Any, fused_read: bool) -> 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             requested = request.signal_number is not None
             if args.world_size > 1 and fused_read:
-                return control  # the trainer's one fused read per step agrees on it (guards.check_step)
-            if args.world_size > 1:  # every process must stop at the same step, whichever one the signal reached
+                # The trainer's one fused read per step agrees on it (guards.check_step).
+                return control
+            # Every process must stop at the same step, whichever one the signal reached.
+            if args.world_size > 1:
                 flag = torch.tensor([float(requested)], device=accelerator.device)
                 requested = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
             if requested:
@@ -104,7 +109,8 @@ def stop_on_signals(trainer: Any) -> Iterator[StopRequest]:
     def handler(number: int, frame: FrameType | None) -> None:
         request.signal_number = number
         request.signal_name = signal.Signals(number).name
-        for sig, old in previous.items():  # a second signal acts as it would have without us
+        # A second signal acts as it would have without us.
+        for sig, old in previous.items():
             signal.signal(sig, old)
         if is_main_process():
             print(f"{PROG}: {request.signal_name} received: stopping after this step and saving a checkpoint "

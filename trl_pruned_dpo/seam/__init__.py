@@ -41,7 +41,8 @@ import trl.trainer.utils as trl_utils
 from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
-TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high)
+# The tested TRL versions, [low, high).
+TESTED_TRL = ("1.16.0", "1.17.0")
 
 if not (Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1])):
     raise ImportError(
@@ -112,11 +113,13 @@ def as_pruned_config(model: str | torch.nn.Module, args: Any, config_class: type
     identity: `share_prompt=False`) and the user's own `padding_free`, so swapping only the trainer class changes
     nothing a user passed and runs stock's code.
     """
-    if args is None:  # stock: DPOConfig(f"{model_name}-DPO")
+    # Stock's default: DPOConfig(f"{model_name}-DPO").
+    if args is None:
         model_name = model if isinstance(model, str) else get_config_model_id(model.config)
         return config_class(f"{model_name.split('/')[-1]}-DPO")
     if isinstance(args, config_class) or not isinstance(args, DPOConfig):
-        return args  # anything else is TRL's to accept or reject
+        # Anything else is TRL's to accept or reject.
+        return args
     promoted = config_class.__new__(config_class)
     promoted.__dict__ = args.__dict__
     for f in dataclasses.fields(config_class):
@@ -249,7 +252,8 @@ def compact_lm_head() -> Iterator[None]:
     """
     original, function = trl_utils._use_triton, trl_utils._ChunkedLogProbFunction
     trl_utils._use_triton = lambda device: True
-    if not isinstance(function, _TokenSlicedHead):  # a nested block keeps the outer one's
+    # A nested block keeps the outer one's.
+    if not isinstance(function, _TokenSlicedHead):
         trl_utils._ChunkedLogProbFunction = _TokenSlicedHead(function)
     try:
         yield
@@ -277,7 +281,8 @@ def head_rows_scored(labels_kept: int = 2, length: int = 8, vocab: int = 37) -> 
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=length)
-    with torch.random.fork_rng(devices=[]):  # the init must not move the caller's global RNG
+    # The init must not move the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(config)
     add_fused_lm_head(model)
     input_ids = torch.arange(1, length + 1).view(1, length)
