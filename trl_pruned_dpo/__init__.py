@@ -8,10 +8,11 @@ from .notices import hide_import_notices
 __all__ = ["PrunedDPOConfig", "PrunedDPOTrainer"]
 __version__ = "0.1.0"
 
-hide_import_notices()  # before TRL imports bitsandbytes (notices.py: one message of one logger)
+# Hidden before TRL imports bitsandbytes (notices.py: one message of one logger).
+hide_import_notices()
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> type:
     if name == "PrunedDPOConfig":
         from .config import PrunedDPOConfig
 

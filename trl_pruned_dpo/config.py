@@ -32,7 +32,7 @@ BRANCH_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 POSITION_GRID = (0.5, 0.625, 0.75, 0.875, 1.0)
 
 
-def keep_prob_or_auto(value):
+def keep_prob_or_auto(value: float | str) -> float | str:
     """A keep probability as written in Python, YAML or on the command line: a number, or the string "auto".
 
     Used as the fields' type so that TRL's argument parser converts "0.5" to 0.5 and keeps "auto" (a `float | str`
@@ -181,7 +181,8 @@ class PrunedDPOConfig(DPOConfig):
             "docs/method.md, 'Packed layout'). Off: `--share_prompt false --padding_free false`."
         },
     )
-    padding_free: bool = field(  # DPOConfig's field, default False there and ignored by stock TRL 1.16
+    # `padding_free` is DPOConfig's field, default False there and ignored by stock TRL 1.16.
+    padding_free: bool = field(
         default=True,
         metadata={
             "help": "Pack several pairs per row, no padding (exact; on by default; falls back, with one warning, on "
@@ -249,7 +250,8 @@ class PrunedDPOConfig(DPOConfig):
 
     def __post_init__(self):
         self._default_bf16_to_hardware()
-        with checkpointing_names_quiet():  # DPOConfig's own default sets the deprecated name (notices.py)
+        # DPOConfig's own default sets the deprecated name (notices.py).
+        with checkpointing_names_quiet():
             super().__post_init__()
         self._validate_pruning()
         self._validate_prune_seed()
@@ -278,12 +280,13 @@ class PrunedDPOConfig(DPOConfig):
             raise TypeError(f"`prune_seed` must be an integer or None, got {self.prune_seed!r}.")
 
     def _validate_pruning(self):
-        def in_range(name, low, high, low_open):
+        def in_range(name: str, low: float, high: float, low_open: bool) -> None:
             value = getattr(self, name)
             if name in AUTO_FIELDS:
                 if isinstance(value, str):
                     try:
-                        value = keep_prob_or_auto(value)  # "0.5" from a YAML string
+                        # A YAML string such as "0.5".
+                        value = keep_prob_or_auto(value)
                     except ValueError:
                         raise TypeError(f"`{name}` must be a number in (0, 1] or 'auto', got {value!r}.") from None
                     setattr(self, name, value)
@@ -301,7 +304,8 @@ class PrunedDPOConfig(DPOConfig):
         in_range("prefix_prune_prob", 0.0, 1.0, low_open=False)
         in_range("prefix_min_ratio", 0.0, 1.0, low_open=True)
         unknown = [loss for loss in self.loss_type if loss not in TRL_LOSS_TYPES]
-        if unknown and self.pruning_enabled:  # pruning off: TRL's own (later) error, as stock
+        # With pruning off: TRL's own (later) error, as stock.
+        if unknown and self.pruning_enabled:
             raise ValueError(f"Unknown `loss_type` {unknown}: choose among {list(TRL_LOSS_TYPES)}.")
         for name in ("share_prompt", "padding_free", "group_by_prompt"):
             if not isinstance(getattr(self, name), bool):
@@ -335,10 +339,11 @@ class PrunedDPOConfig(DPOConfig):
                 )
 
 
-EXACT_SAVINGS = ("padding_free", "share_prompt")  # on by default; exact: no estimator (docs/method.md)
+# The exact savings: on by default, and exact (no estimator; docs/method.md).
+EXACT_SAVINGS = ("padding_free", "share_prompt")
 
 
-def uses_pruned_forward(args) -> bool:
+def uses_pruned_forward(args: object) -> bool:
     """THE switch between the plugin's forward and TRL's own: with it False, training, the reference precompute, the
     collator and the signature columns are stock's (exact parity by construction, docs/parity.md).
 

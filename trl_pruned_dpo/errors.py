@@ -3,7 +3,8 @@
 At the bottom of the package with config.py: anything may raise them, nothing here imports the rest.
 """
 
-PROG = "trl-pruned-dpo"  # the command line's name, which prefixes every one-line error it prints
+# The command line's name, which prefixes every one-line error it prints.
+PROG = "trl-pruned-dpo"
 
 
 class InputError(Exception):

@@ -12,7 +12,7 @@ batch agrees with the padded one (`check_first_batch`); otherwise the choice is 
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate.utils import is_peft_model
@@ -23,6 +23,9 @@ from .pruned_forward import ForwardContext, run_group
 from .reference import NON_MODEL_KEYS
 from .safety.data_checks import VISION_ERROR, check_prunable
 from .seam import attention, check_compact_lm_head, compact_lm_head, no_grad_block
+
+if TYPE_CHECKING:
+    from .config import PrunedDPOConfig
 
 # Batch keys the packed forward knows how to pack; any other per-token input makes it run padded.
 SHAREABLE_KEYS = {"input_ids", "attention_mask"} | NON_MODEL_KEYS
@@ -52,7 +55,7 @@ class ForwardChoice:
         return Layout(packed, packed and self.share_prompt)
 
 
-def _without_savings(args, why: ValueError | str) -> ForwardChoice:
+def _without_savings(args: "PrunedDPOConfig", why: ValueError | str) -> ForwardChoice:
     """The exact savings cannot run. A refusal (ValueError) is raised where an estimator is on; otherwise one line
     says why and what runs instead: with only the savings on, TRL's own forward, else the plugin's padded rows."""
     if isinstance(why, ValueError) and args.pruning_enabled:
@@ -64,7 +67,8 @@ def _without_savings(args, why: ValueError | str) -> ForwardChoice:
     return ForwardChoice(pruned=not stock, why=str(why))
 
 
-def before_trl(args, train_dataset, processing_class, always_pruned: bool = False) -> ForwardChoice:
+def before_trl(args: "PrunedDPOConfig", train_dataset: Any, processing_class: Any,
+               always_pruned: bool = False) -> ForwardChoice:
     """Whether the plugin's forward runs, before TRL's constructor (its precompute follows it): refuse what the
     pruned forward cannot do. `always_pruned`: the plugin's forward even with everything off (benchmarks)."""
     if not uses_pruned_forward(args):
@@ -78,7 +82,8 @@ def before_trl(args, train_dataset, processing_class, always_pruned: bool = Fals
     return choice
 
 
-def after_trl(choice: ForwardChoice, args, models, aux_loss_enabled: bool, is_vision: bool) -> ForwardChoice:
+def after_trl(choice: ForwardChoice, args: "PrunedDPOConfig", models: list[torch.nn.Module], aux_loss_enabled: bool,
+              is_vision: bool) -> ForwardChoice:
     """The layout, once TRL has loaded the models: packed (`padding_free`/`share_prompt` on models
     `attention.packed_verdict` allows; a family outside the tested table only after `check_first_batch` agrees) or
     padded (said once), or TRL's own forward for a vision dataset with only the savings on."""

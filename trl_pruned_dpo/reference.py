@@ -32,7 +32,7 @@ class HostCopyCollator:
 
     collator: Any
 
-    def __call__(self, examples):
+    def __call__(self, examples: list[dict]) -> dict:
         batch = self.collator(examples)
         batch[HOST_KEY] = HostBatch(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
         return batch
@@ -53,7 +53,7 @@ class PerTokenReferenceCollator:
 
     collator: Any
 
-    def __call__(self, examples):
+    def __call__(self, examples: list[dict]) -> dict:
         if REF_TOKEN_COLUMNS[0] not in examples[0]:
             return self.collator(examples)
         stripped = [{k: v for k, v in ex.items() if k not in REF_TOKEN_COLUMNS} for ex in examples]
@@ -72,7 +72,7 @@ class PerTokenReferenceCollator:
         return batch
 
 
-def pruned_collator(collator, args, train_dataset):
+def pruned_collator(collator: Any, args: Any, train_dataset: Any) -> Any:
     """TRL's collator, wrapped for the pruned forward: stored per-token reference values (with a precomputed
     reference), and the host copy of the token layout (not for an iterable dataset, whose batches may be dispatched
     across processes, which carries tensors only)."""
@@ -102,7 +102,8 @@ def precompute_per_token(accelerator: Any, args: Any, collator: Any, model: torc
     sums, values, lengths = ({"chosen": [], "rejected": []} for _ in range(3))
     for batch in loader:
         response = batch["completion_mask"][:, 1:].bool()
-        with accelerator.autocast():  # as TRL's compute_ref_log_probs: bf16 stores what stock stores
+        # As TRL's compute_ref_log_probs: bf16 stores what stock stores.
+        with accelerator.autocast():
             per_token = reference_log_probs(model, batch, response)
         chosen_sum, rejected_sum = reference_sums(batch, per_token)
         # pad every process's batch to the same width, then gather (dataset order; duplicates of the last batch
@@ -113,7 +114,8 @@ def precompute_per_token(accelerator: Any, args: Any, collator: Any, model: torc
         for i, branch in enumerate(("chosen", "rejected")):
             branch_values, branch_response = gathered[2 + i].cpu(), gathered[4 + i].cpu().bool()
             sums[branch].append(gathered[i].float().cpu())
-            values[branch].append(branch_values[branch_response])  # row-major: row by row, in order
+            # Row-major: row by row, in order.
+            values[branch].append(branch_values[branch_response])
             lengths[branch].append(branch_response.sum(dim=1))
     columns = {}
     for branch in ("chosen", "rejected"):

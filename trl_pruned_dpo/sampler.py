@@ -11,14 +11,17 @@ group keep their dataset order. A resumed run rebuilds the same order and skips 
 
 import warnings
 from collections import deque
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
-LOOKAHEAD = 64  # groups looked at to fill a batch's room before one is split
+# Groups looked at to fill a batch's room before one is split.
+LOOKAHEAD = 64
 
 
-def prompt_groups_of(prompts) -> list[list[int]]:
+def prompt_groups_of(prompts: Iterable[list | Hashable]) -> list[list[int]]:
     """The indices of each distinct prompt (token ids, or any hashable row), in order of first appearance."""
     groups: dict = {}
     for index, prompt in enumerate(prompts):
@@ -33,7 +36,8 @@ def grouped_order(groups: list[list[int]], batch_size: int, generator: torch.Gen
     order, room = [], batch_size
     while pending:
         fits = next((i for i, g in zip(range(LOOKAHEAD), pending) if len(g) <= room), None)
-        if fits is None:  # split the next group: its head fills this batch, its rest waits at the front
+        # Split the next group: its head fills this batch, its rest waits at the front.
+        if fits is None:
             group = pending.popleft()
             taken, rest = group[:room], group[room:]
             pending.appendleft(rest)
@@ -52,7 +56,8 @@ class PromptGroupSampler(Sampler):
     resume. transformers and accelerate call `set_epoch` at each epoch."""
 
     def __init__(self, groups: list[list[int]], batch_size: int, seed: int):
-        self.groups, self.batch_size, self.seed, self.epoch = groups, batch_size, seed, 0
+        self.groups, self.batch_size, self.seed = groups, batch_size, seed
+        self.epoch = 0
         self.size = sum(len(g) for g in groups)
 
     def set_epoch(self, epoch: int) -> None:
@@ -66,7 +71,7 @@ class PromptGroupSampler(Sampler):
         return iter(grouped_order(self.groups, self.batch_size, generator))
 
 
-def prompt_group_sampler(args, dataset, batch_size: int) -> PromptGroupSampler | None:
+def prompt_group_sampler(args: Any, dataset: Any, batch_size: int) -> PromptGroupSampler | None:
     """The training sampler `group_by_prompt` asks for, over TRL's tokenized dataset (its `prompt_ids` column), seeded
     as transformers seeds its own (`data_seed`, else `seed`); None when it is off, or (said in one line) when the
     dataset has no length or no `prompt_ids` (an IterableDataset: its own order)."""

@@ -13,9 +13,11 @@ would then find its module already imported and print runpy's RuntimeWarning abo
 """
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
-def _resolved(resolve, name: str) -> str:
+def _resolved(resolve: Callable[[str], Any], name: str) -> str:
     """`resolve(name)` as a string, quietly (no library progress bars); an unknown name ends the process in one line."""
     from .notices import progress_bars_hidden
 
@@ -27,13 +29,13 @@ def _resolved(resolve, name: str) -> str:
         raise SystemExit(2) from None
 
 
-def _resolving_builtin(arguments: type, field: str, resolve) -> type:
+def _resolving_builtin(arguments: type, field: str, resolve: Callable[[str], Any]) -> type:
     """A subclass of the dataclass `arguments` (same name, same fields) whose `field` turns a `builtin:` name into the
     local path `resolve` returns for it."""
     from .demo import is_builtin
 
     # After the dataclass's own __init__ (a `__post_init__` would run only if the parent had one when decorated).
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         arguments.__init__(self, *args, **kwargs)
         if is_builtin(getattr(self, field)):
             setattr(self, field, _resolved(resolve, getattr(self, field)))
@@ -51,7 +53,8 @@ def install() -> None:
     from .demo import resolve_model
     from .demo.export import export_builtin
 
-    if trl.DPOTrainer is PrunedDPOTrainer:  # installed already in this process
+    # Installed already in this process.
+    if trl.DPOTrainer is PrunedDPOTrainer:
         return
     trl.DPOConfig = PrunedDPOConfig
     trl.DPOTrainer = PrunedDPOTrainer

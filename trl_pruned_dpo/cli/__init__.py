@@ -21,8 +21,11 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
 
-_PROGRAM_STARTED = time.perf_counter()  # this module loads first (the package imports lazily): the program's start
+# This module loads first (the package imports lazily): its import time is the program's start.
+_PROGRAM_STARTED = time.perf_counter()
 
 from ..errors import PROG, RUN_ERRORS, InputError, exit_code  # noqa: E402 - after the start time
 from ..safety.checkpoints import disk_full_as_error, give_default_modes  # noqa: E402
@@ -32,6 +35,11 @@ from .data import apply_thread_count, check_splits, go_offline, hub_unreachable,
 from .data import resolve_model  # noqa: E402 - patched by tests to prove nothing is loaded before a refusal
 from .parse import LAUNCHED_ENV, parse, under_launcher  # noqa: E402
 from .summary import summarize  # noqa: E402
+
+if TYPE_CHECKING:
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
+
+    from ..config import PrunedDPOConfig
 
 __all__ = ["main", "parse", "summarize", "train"]
 
@@ -57,9 +65,11 @@ def launch(launch_args: list[str], training_argv: list[str]) -> int:
     args = launch_command_parser().parse_args([*launch_args, "--module", "trl_pruned_dpo", *training_argv])
     try:
         launch_command(args)
-    except subprocess.CalledProcessError as error:  # the children printed their own error
+    except subprocess.CalledProcessError as error:
+        # The children printed their own error.
         return error.returncode or 1
-    except Exception as error:  # SIGTERM/SIGINT forwarded to the children, which stopped and said so (safety/signals.py)
+    except Exception as error:
+        # The launcher forwarded SIGTERM or SIGINT to the children, which stopped and said so (safety/signals.py).
         code = launcher_stop_code(error)
         if code is None:
             raise
@@ -78,17 +88,19 @@ class _OutputGuard:
         self.main = is_main_process()
         self.created = self.main and not self.path.exists()
 
-    def __enter__(self):
+    def __enter__(self) -> "_OutputGuard":
         return self
 
-    def __exit__(self, kind, error, traceback):
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> bool:
         if (kind is not None and self.main and self.created and self.path.is_dir()
                 and not any(self.path.glob("checkpoint-*"))):
             shutil.rmtree(self.path, ignore_errors=True)
         return False
 
 
-def train(script_args, training_args, model_args, dataset_args, started: float | None = None) -> int:
+def train(script_args: "ScriptArguments", training_args: "PrunedDPOConfig", model_args: "ModelConfig",
+          dataset_args: "DatasetMixtureConfig", started: float | None = None) -> int:
     """Train in this process, as `trl dpo`'s script does, with `PrunedDPOTrainer`. Returns the exit code."""
     import transformers
     from packaging.version import Version
@@ -98,13 +110,16 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
 
     started = time.perf_counter() if started is None else started
     apply_thread_count()
-    preflight(training_args)  # output_dir writable and free, resume possible: one line before any work
+    # Refuse in one line, before any work, an output_dir that is not writable or not free, or an impossible resume.
+    preflight(training_args)
     names = [model_args.model_name_or_path, script_args.dataset_name]
     if training_args.push_to_hub or dataset_args.datasets or any(is_hub_id(n) for n in names):
         if hub_unreachable():
-            go_offline()  # cached models and datasets still load, at once instead of after retries
+            # Cached models and datasets still load, at once instead of after retries.
+            go_offline()
     else:
-        go_offline()  # builtin or local only: guarantee that nothing is requested from the Hub
+        # Builtin or local only: guarantee that nothing is requested from the Hub.
+        go_offline()
     model_path = resolve_model(model_args.model_name_or_path, model_args.model_revision)
     dataset, dataset_name = load_data(script_args, dataset_args)
     train_dataset, eval_dataset = check_splits(dataset, dataset_name, script_args, training_args)
@@ -128,11 +143,13 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
                 quantization_config=get_quantization_config(model_args),
                 peft_config=get_peft_config(model_args),
             )
-        except ValueError as error:  # TRL and the plugin reject option combinations here, naming them
+        except ValueError as error:
+            # TRL and the plugin reject option combinations here, naming them.
             if os.environ.get("TRL_PRUNED_DPO_TRACEBACK"):
                 raise
             raise InputError(f"{' '.join(str(error).split())} (TRL_PRUNED_DPO_TRACEBACK=1 shows where)") from None
-        if script_args.ignore_bias_buffers:  # the same DDP workaround as `trl dpo`
+        # The same DDP workaround as `trl dpo`.
+        if script_args.ignore_bias_buffers:
             import torch
 
             trainer.model._ddp_params_and_buffers_to_ignore = [
@@ -143,7 +160,8 @@ def train(script_args, training_args, model_args, dataset_args, started: float |
         evaluated = [e.get("step") for e in trainer.state.log_history if "eval_loss" in e]
         if eval_dataset is not None and trainer.state.global_step not in evaluated and not stop.signal_number:
             trainer.evaluate()
-        if not stop.signal_number:  # a stopped run leaves its checkpoint, not a final model that looks finished
+        # A stopped run leaves its checkpoint, not a final model that looks finished.
+        if not stop.signal_number:
             with disk_full_as_error("the final model", training_args.output_dir):
                 trainer.save_model(training_args.output_dir)
                 give_default_modes(training_args.output_dir)
@@ -180,7 +198,8 @@ def silence_library_noise() -> None:
     hide_import_notices()
 
 
-def _compare(script_args, training_args, model_args, dataset_args, launch_args) -> int:
+def _compare(script_args: "ScriptArguments", training_args: "PrunedDPOConfig", model_args: "ModelConfig",
+             dataset_args: "DatasetMixtureConfig", launch_args: list[str]) -> int:
     if launch_args:
         raise InputError(f"--compare runs both trainers in this process: drop the accelerate options {launch_args}.")
     from .compare import compare
@@ -194,16 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     remember_command(argv)
     silence_library_noise()
-    compare = "--compare" in argv  # stock DPOTrainer, then the pruned one, side by side (cli/compare.py)
+    # `--compare` trains stock DPOTrainer, then the pruned one, side by side (cli/compare.py).
+    compare = "--compare" in argv
     argv = [a for a in argv if a != "--compare"]
     try:
-        script_args, training_args, model_args, dataset_args, launch_args, cli_remaining = parse(argv)
+        # The script, training, model and dataset arguments, then the accelerate options and what is left for them.
+        *trl_args, launch_args, cli_remaining = parse(argv)
         if compare:
-            return _compare(script_args, training_args, model_args, dataset_args, launch_args)
+            return _compare(*trl_args, launch_args)
         if launch_args and not under_launcher():
             return launch(launch_args, _without(argv, cli_remaining))
-        return train(script_args, training_args, model_args, dataset_args, started)
-    except RUN_ERRORS as error:  # errors.py: bad input, resume or output_dir (2), diverged or disk full (1)
+        return train(*trl_args, started)
+    except RUN_ERRORS as error:
+        # The errors of errors.py: bad input, resume or output_dir (exit code 2), diverged or disk full (1).
         _print_error(" ".join(str(error).split()))
         return exit_code(error)
     except KeyboardInterrupt:

@@ -15,12 +15,19 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..errors import PROG, InputError
 from ..safety.checkpoints import give_default_modes
 from .data import apply_thread_count, check_splits, go_offline, load_data, resolve_model
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from trl import DatasetMixtureConfig, DPOConfig, ModelConfig, ScriptArguments
+
+    from ..config import PrunedDPOConfig
 
 
 class _HeldOutCurve(TrainerCallback):
@@ -28,25 +35,30 @@ class _HeldOutCurve(TrainerCallback):
     steps' own, from each step's start to its end (evaluation, logging and saving excluded), on two clocks: wall time
     and this process's CPU time (user + system, all threads), which a busy shared machine disturbs much less."""
 
-    def __init__(self):
-        self.points, self.wall, self.cpu, self.started = [], 0.0, 0.0, None
+    def __init__(self) -> None:
+        self.points = []
+        self.wall, self.cpu = 0.0, 0.0
+        self.started = None
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
         self.started = (time.perf_counter(), time.process_time())
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         if self.started is not None:
             self.wall += time.perf_counter() - self.started[0]
             self.cpu += time.process_time() - self.started[1]
             self.started = None
 
-    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
         if not metrics or "eval_rewards/accuracies" not in metrics:
             return
         self.points.append((state.global_step, self.cpu, float(metrics["eval_rewards/accuracies"])))
 
 
-def _stock_config(pruned_args):
+def _stock_config(pruned_args: "PrunedDPOConfig") -> "DPOConfig":
     """A `trl.DPOConfig` with every DPOConfig field of `pruned_args` (the pruning fields dropped), and `padding_free`
     False: TRL 1.16 ignores it (it pads, with a warning) and the plugin's default is True."""
     from trl import DPOConfig
@@ -55,13 +67,15 @@ def _stock_config(pruned_args):
     return DPOConfig(**{**values, "padding_free": False})
 
 
-def _run(trainer_class, args, model_path, train_dataset, eval_dataset, peft_config=None) -> tuple[object, dict]:
+def _run(trainer_class: type, args: "DPOConfig", model_path: str, train_dataset: "Dataset",
+         eval_dataset: "Dataset | None", peft_config: Any = None) -> tuple[object, dict]:
     curve = _HeldOutCurve()
     trainer = trainer_class(model=model_path, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                             callbacks=[curve], peft_config=peft_config)
     trainer.train()
     if not curve.points or curve.points[-1][0] != trainer.state.global_step:
-        trainer.evaluate()  # the final point: the run ends with an evaluation, as the CLI's do
+        # The final point: the run ends with an evaluation, as the CLI's runs do.
+        trainer.evaluate()
     history = trainer.state.log_history
     shares = [e["prune/tokens_executed"] for e in history if "prune/tokens_executed" in e]
     return trainer, {
@@ -70,7 +84,8 @@ def _run(trainer_class, args, model_path, train_dataset, eval_dataset, peft_conf
         "train_seconds": curve.wall,
         "train_cpu_seconds": curve.cpu,
         "held_out_accuracy": curve.points[-1][2],
-        "tokens_executed": sum(shares) / len(shares) if shares else 1.0,  # stock runs the full graph
+        # Stock runs the full graph.
+        "tokens_executed": sum(shares) / len(shares) if shares else 1.0,
         "curve": curve.points,
     }
 
@@ -112,7 +127,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         steps, seconds, accuracy = zip(*row["curve"])
         axes[0].plot(steps, accuracy, marker="o", label=row["trainer"])
         axes[1].plot(seconds, accuracy, marker="o", label=row["trainer"])
-    for axis in axes:  # a coin flip; step 0 itself scores 0 (policy = reference: every margin is a tie)
+    for axis in axes:
+        # 0.5 is a coin flip; step 0 itself scores 0 (policy = reference: every margin is a tie).
         axis.axhline(0.5, color="grey", linestyle="--", linewidth=1)
     axes[0].set(xlabel="step", ylabel="held-out reward accuracy", ylim=(0.4, 1.0), xlim=(0, None))
     axes[1].set(xlabel="training CPU time (s, evaluation excluded)")
@@ -126,7 +142,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def compare(script_args, training_args, model_args, dataset_args) -> int:
+def compare(script_args: "ScriptArguments", training_args: "PrunedDPOConfig", model_args: "ModelConfig",
+            dataset_args: "DatasetMixtureConfig") -> int:
     """Train stock, then pruned; print the rows, write compare.json and compare.png. Returns the exit code."""
     from trl import DPOTrainer, get_peft_config
 
@@ -139,7 +156,8 @@ def compare(script_args, training_args, model_args, dataset_args) -> int:
         raise InputError("--compare needs settings that differ from stock: the exact savings (`share_prompt`, "
                          "`padding_free`, on by default) or a pruning, e.g. `prefix_prune_prob: 0.5`.")
     apply_thread_count()
-    go_offline()  # the demo is offline; a hub model must be in the local cache
+    # The demo is offline; a hub model must be in the local cache.
+    go_offline()
     model_path = resolve_model(model_args.model_name_or_path, model_args.model_revision)
     dataset, name = load_data(script_args, dataset_args)
     train_dataset, eval_dataset = check_splits(dataset, name, script_args, training_args)
@@ -148,12 +166,15 @@ def compare(script_args, training_args, model_args, dataset_args) -> int:
     for label, trainer_class, args in (("stock", DPOTrainer, _stock_config(training_args)),
                                        ("pruned", PrunedDPOTrainer, training_args)):
         print(f"--compare: training {trainer_class.__name__} ({label}) ...", flush=True)
-        with tempfile.TemporaryDirectory(prefix=f"compare-{label}-") as scratch:  # what a trainer writes on its own
+        # A scratch folder for what a trainer writes on its own.
+        with tempfile.TemporaryDirectory(prefix=f"compare-{label}-") as scratch:
             args.output_dir = scratch
+            # `use_peft`: the same LoRA for both trainers.
             trainer, row = _run(trainer_class, args, model_path, train_dataset, eval_dataset,
-                                get_peft_config(model_args))  # `use_peft`: the same LoRA for both
+                                get_peft_config(model_args))
             rows.append(row)
-    trainer.save_model(str(output))  # the pruned model, where a plain run of the same config saves it
+    # The pruned model, where a plain run of the same config saves it.
+    trainer.save_model(str(output))
     give_default_modes(output)
     (output / "compare.json").write_text(json.dumps(rows, indent=1))
     drawn = plot(rows, output / "compare.png")

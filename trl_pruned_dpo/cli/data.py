@@ -5,10 +5,16 @@ import os
 import socket
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import InputError
 from ..notices import progress_bars_hidden
+
+if TYPE_CHECKING:
+    from trl import DatasetMixtureConfig, ScriptArguments
+
+    from ..config import PrunedDPOConfig
 
 def hub_unreachable() -> str | None:
     """Why the Hub cannot be used now (offline mode, no route), or None. A 3 s probe, instead of the ~25 s of
@@ -31,7 +37,8 @@ def go_offline() -> None:
     from huggingface_hub import constants
 
     os.environ["HF_HUB_OFFLINE"] = "1"
-    constants.HF_HUB_OFFLINE = True  # both libraries read these at call time; the env var only at import
+    # Both libraries read these flags at call time, the environment variable only at import.
+    constants.HF_HUB_OFFLINE = True
     datasets.config.HF_HUB_OFFLINE = True
 
 
@@ -58,7 +65,8 @@ def resolve_model(name: str | None, revision: str | None = None) -> str:
         raise InputError("no model given: set `model_name_or_path` (a local folder, a hub id, or builtin:tiny-demo).")
     if is_builtin(name):
         try:
-            with progress_bars_hidden():  # building it once prints its own line; stock `trl dpo` shows no such bars
+            # Building it once prints its own line; stock `trl dpo` shows no such bars.
+            with progress_bars_hidden():
                 return resolve_builtin(name)
         except ValueError as error:
             raise InputError(str(error)) from None
@@ -83,7 +91,7 @@ def resolve_model(name: str | None, revision: str | None = None) -> str:
     return name
 
 
-def load_data(script_args, dataset_args):
+def load_data(script_args: "ScriptArguments", dataset_args: "DatasetMixtureConfig") -> tuple[Any, str]:
     """The dataset `trl dpo` would load, plus `builtin:<task>`. Returns (DatasetDict, display name)."""
     from datasets import load_dataset
     from trl import get_dataset
@@ -91,7 +99,8 @@ def load_data(script_args, dataset_args):
     from ..demo.tasks import BUILTIN_PREFIX, load_builtin
 
     name = script_args.dataset_name
-    if dataset_args.datasets:  # like `trl dpo`: a mixture wins over `dataset_name`
+    # Like `trl dpo`: a mixture wins over `dataset_name`.
+    if dataset_args.datasets:
         name, load = "the `datasets` mixture", partial(get_dataset, dataset_args)
     elif not name:
         raise InputError("no dataset given: set `dataset_name` (a hub id, a local folder, or builtin:mix) or "
@@ -104,7 +113,8 @@ def load_data(script_args, dataset_args):
         load = partial(load_dataset, name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     try:
         return load(), name
-    except Exception as error:  # datasets raises many types (DatasetNotFoundError, ConnectionError, ValueError, ...)
+    except Exception as error:
+        # The datasets library raises many types (DatasetNotFoundError, ConnectionError, ValueError, ...).
         from huggingface_hub import constants
 
         hint = " (the Hub is offline or unreachable and it is not cached)" if constants.HF_HUB_OFFLINE else ""
@@ -124,7 +134,8 @@ def _file_builder(name: str) -> str:
     return builder
 
 
-def check_splits(dataset, name: str, script_args, training_args):
+def check_splits(dataset: Any, name: str, script_args: "ScriptArguments",
+                 training_args: "PrunedDPOConfig") -> tuple[Any, Any]:
     """The train (and, when evaluating, test) split, with the columns DPO needs."""
     splits = list(dataset.keys())
     wanted = [("dataset_train_split", script_args.dataset_train_split)]

@@ -8,11 +8,16 @@ type, an invalid value or an output folder that cannot be written is one line, b
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import PROG, InputError
 from ..safety.output_dir import check_writable, is_main_process
 
-LAUNCHED_ENV = "TRL_PRUNED_DPO_LAUNCHED"  # set by the launching process: its children train instead of relaunching
+if TYPE_CHECKING:
+    from trl import TrlParser
+
+# Set by the launching process: its children train instead of relaunching.
+LAUNCHED_ENV = "TRL_PRUNED_DPO_LAUNCHED"
 
 
 def under_launcher() -> bool:
@@ -40,9 +45,11 @@ def make_parser(prog: str = PROG):
     parser = TrlParser((ScriptArguments, PrunedDPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog,
                        usage=USAGE, description=DESCRIPTION)
     own = {f.name for f in dataclasses.fields(PrunedDPOConfig)} - {f.name for f in dataclasses.fields(DPOConfig)}
-    own.add("padding_free")  # DPOConfig's field, which the plugin honours and turns on by default (config.py)
+    # `padding_free` is DPOConfig's field, which the plugin honours and turns on by default (config.py).
+    own.add("padding_free")
     group = parser.add_argument_group("trl-pruned-dpo (pruning and run safety; docs/method.md, docs/cli.md)")
-    rest = parser._optionals  # argparse keeps each group's actions in `_group_actions`; moving them moves the help
+    # Argparse keeps each group's actions in `_group_actions`: moving them moves the help.
+    rest = parser._optionals
     for action in [a for a in rest._group_actions if a.dest in own or a.dest in ("help", "config")]:
         rest._group_actions.remove(action)
         group._group_actions.append(action)
@@ -69,12 +76,13 @@ def _split_remaining(remaining: list[str], known: set[str]) -> tuple[list[str], 
                 launch.append(token)
             else:
                 unknown.append(key)
-        elif in_launch_option:  # the value of a launch option
+        elif in_launch_option:
+            # The value of a launch option.
             launch.append(token)
     return launch, unknown
 
 
-def _suggest(name: str, parser) -> str:
+def _suggest(name: str, parser: "TrlParser") -> str:
     import difflib
 
     fields = [a.dest for a in parser._actions]
@@ -82,7 +90,7 @@ def _suggest(name: str, parser) -> str:
     return f" (did you mean `{close[0]}`?)" if close else ""
 
 
-def _remaining_strings(parser, argv: list[str]) -> tuple[list[str], list[str]]:
+def _remaining_strings(parser: "TrlParser", argv: list[str]) -> tuple[list[str], list[str]]:
     """What `parse_args_and_config` leaves over (YAML keys, command-line strings), without building the dataclasses."""
     import yaml
 
@@ -112,7 +120,8 @@ def parse(argv: list[str]):
                 "from the repository), or give every option as a flag."
             )
     parser = make_parser()
-    parser.error = _raise_usage_error  # one line instead of ~165 lines of usage
+    # One line instead of ~165 lines of usage.
+    parser.error = _raise_usage_error
     try:
         argv = save_steps_switch_strategy(argv)
         check_yaml_value_types(parser, argv)
@@ -121,14 +130,16 @@ def parse(argv: list[str]):
         )
     except yaml.YAMLError as error:
         raise InputError(f"config file is not valid YAML ({' '.join(str(error).split())}): fix its syntax.") from None
-    except (ValueError, TypeError, RuntimeError) as error:  # the configs' __post_init__: the message names the option
+    except (ValueError, TypeError, RuntimeError) as error:
+        # A configuration's __post_init__ refused a value: the message names the option.
         # Some settings only hold under a launcher (e.g. `ddp_backend: gloo` wants a process group): if this process
         # is about to launch, leave the validation to the launched processes.
         parsed, (config_remaining, cli_remaining) = [None] * 4, _remaining_strings(parser, argv)
         if not (_split_remaining(config_remaining + cli_remaining, _accelerate_options())[0] and
                 not under_launcher()):
             message = " ".join(str(error).split())
-            if "bf16" in message:  # transformers suggests `use_cpu`; here bf16 was asked for explicitly
+            # Transformers suggests `use_cpu`; here bf16 was asked for explicitly.
+            if "bf16" in message:
                 message += " (bf16 was set to true: without a bf16 device pass `--bf16 false`, or leave it unset.)"
             raise InputError(f"invalid configuration: {message} Fix it in the YAML or on the command line.") from None
     known = _accelerate_options()
@@ -151,7 +162,8 @@ def parse(argv: list[str]):
         except ValueError as error:
             raise InputError(f"{error} (this repository's configs/accelerate/*.yaml are paths)") from None
     if parsed[1] is not None:
-        check_writable(parsed[1].output_dir)  # before the output folder is created or anything loaded
+        # Before the output folder is created or anything is loaded.
+        check_writable(parsed[1].output_dir)
     return (*parsed, launch_args, cli_remaining)
 
 
@@ -186,7 +198,8 @@ def save_steps_switch_strategy(argv: list[str]) -> list[str]:
         where = "--save_strategy no" if flag_strategy is not None else "the config file's save_strategy: \"no\""
         raise InputError(f"save_steps {steps} has no effect with {where}: nothing would be saved before the end. "
                          "Set save_strategy to steps, or drop save_steps.")
-    if is_main_process() and os.environ.get(LAUNCHED_ENV) != "1":  # once, not again in each launched process
+    # Once, not again in each launched process.
+    if is_main_process() and os.environ.get(LAUNCHED_ENV) != "1":
         print(f"{PROG}: --save_steps {steps}: save_strategy set to \"steps\" (the config file said \"no\"); a "
               f"checkpoint every {steps} steps.", file=sys.stderr, flush=True)
     return [*argv, "--save_strategy", "steps"]
@@ -197,7 +210,7 @@ def _raise_usage_error(message: str):
     raise InputError(f"{message}. Fix it in the YAML or on the command line (`{PROG} --help` lists every option).")
 
 
-def check_yaml_value_types(parser, argv: list[str]) -> None:
+def check_yaml_value_types(parser: "TrlParser", argv: list[str]) -> None:
     """Refuse YAML values of the wrong type. The YAML becomes argparse defaults, and argparse converts (and checks)
     only string defaults: `per_device_train_batch_size: 2.5` would reach the dataclasses unchecked and fail deep in
     training with a traceback."""
@@ -212,7 +225,8 @@ def check_yaml_value_types(parser, argv: list[str]) -> None:
     for key, value in (config if isinstance(config, dict) else {}).items():
         action = actions.get(key)
         if action is None or action.type not in expected or value is None or isinstance(value, str):
-            continue  # unknown keys are reported later; strings are converted and checked by argparse
+            # Unknown keys are reported later; strings are converted and checked by argparse.
+            continue
         for item in value if isinstance(value, list) and action.nargs in ("+", "*") else [value]:
             wrong = isinstance(item, bool) != (action.type is string_to_bool) or (
                 action.type is int and not isinstance(item, int)) or (

@@ -1,13 +1,20 @@
 """The end-of-run summary: what ran, what pruning kept, what `auto` chose, the worst values, and where the model is
 (or where the run stopped and how to resume)."""
 
+from typing import TYPE_CHECKING, Any
+
 from ..config import EXACT_SAVINGS
 from ..errors import PROG
 from ..safety import checkpoints
 from ..safety.signals import resume_command
 
-_PRUNE_METRICS = {  # key -> (label, what the share is of: metrics.py's denominators)
-    # Both token shares divide by `full_tokens`, the tokens of stock's padded batch (prompts and padding included).
+if TYPE_CHECKING:
+    from ..forward_choice import ForwardChoice
+    from ..safety.run_state import RunState
+
+# Each logged `prune/*` key -> (its label, what the share is of: metrics.py's denominators). Both token shares divide
+# by `full_tokens`, the tokens of stock's padded batch (prompts and padding included).
+_PRUNE_METRICS = {
     "prune/tokens_executed": ("tokens executed", " of stock's padded batch"),
     "prune/positions_scored": ("positions scored", " of response positions"),
     "prune/branches_backpropagated": ("branches backpropagated", " of branches"),
@@ -20,7 +27,7 @@ def _mean(history: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def pruning_line(args) -> str:
+def pruning_line(args: Any) -> str:
     """The pruning settings that are on, by field name; "none" when the run computes stock DPO's loss (the exact
     savings, on or off, are `savings_line`'s)."""
     on = [name for name in ("prune_common_prefix",) if getattr(args, name, False)]
@@ -33,13 +40,13 @@ def pruning_line(args) -> str:
     return ", ".join(on) if on else "none: every keep probability 1 (stock DPO's computation)"
 
 
-def savings_line(trainer) -> str:
-    """The exact savings (`share_prompt`, `padding_free`: on by default), whether the model ran them, and how to turn
-    them off; off: stock's forward (with no pruning)."""
-    on = [name for name in reversed(EXACT_SAVINGS) if getattr(trainer.args, name, False)]  # share_prompt first
+def savings_line(args: Any, choice: "ForwardChoice") -> str:
+    """The exact savings (`share_prompt`, `padding_free`: on by default), whether the model ran them (`choice`: the
+    trainer's forward choice), and how to turn them off; off: stock's forward (with no pruning)."""
+    # Reversed, so that share_prompt comes first.
+    on = [name for name in reversed(EXACT_SAVINGS) if getattr(args, name, False)]
     if not on:
         return "off (share_prompt and padding_free false): padded rows, as stock"
-    choice = trainer.forward_choice
     # What the savings need is missing: said once, at the start.
     if not choice.pruned and choice.why:
         return f"{', '.join(on)} ignored ({choice.why}): TRL's own forward ran"
@@ -49,19 +56,20 @@ def savings_line(trainer) -> str:
     return f"{', '.join(on)} (exact; off: --share_prompt false --padding_free false)"
 
 
-def auto_choice(trainer) -> dict | None:
-    """The last choice of a keep probability "auto" (trl_pruned_dpo/auto.py), restored with a resumed checkpoint."""
-    history = getattr(trainer.auto_keep_probs, "history", None)
+def auto_choice(auto_keep_probs: Any) -> dict | None:
+    """The last choice of a keep probability "auto" (trl_pruned_dpo/auto.py; `auto_keep_probs`: the trainer's, or
+    None), restored with a resumed checkpoint."""
+    history = getattr(auto_keep_probs, "history", None)
     return history[-1] if history else None
 
 
-def auto_details(trainer) -> str | None:
-    """The whole reason of auto's last choice (for the log above the summary, which gives its first clause)."""
-    choice = auto_choice(trainer)
+def auto_details(choice: dict | None) -> str | None:
+    """The whole reason of auto's last choice (`auto_choice`'s; for the log above the summary, which gives its first
+    clause)."""
     return None if choice is None else f"auto at step {choice['step']}: {choice['reason']}"
 
 
-def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) -> str:
+def summarize(trainer: Any, model_name: str, model_path: str, wall_seconds: float) -> str:
     """What ran, one short line per fact: steps and time, the last training loss, the held-out accuracy, what "auto"
     chose (its reason's first clause: the whole reason is printed above), the mean `prune/*` fractions, the worst
     values and where the model is. A fact the run did not produce is left out, not shown as n/a."""
@@ -78,7 +86,7 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
         f"{PROG} summary",
         ("model", model_name if model_name == model_path else f"{model_name} -> {model_path}"),
         ("pruning", pruning_line(args)),
-        ("exact savings", savings_line(trainer)),
+        ("exact savings", savings_line(args, trainer.forward_choice)),
         ("steps", f"{state.global_step} ({pairs} pairs), {timing}{wall_seconds:.1f} s in all"),
     ]
     if last.get("loss") is not None:
@@ -88,8 +96,9 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
     if last_eval is not None:
         lines.append(("held-out reward acc.", f"{last_eval['eval_rewards/accuracies']:.3f} "
                                               f"(step {last_eval.get('step')}, eval split)"))
-    choice = auto_choice(trainer)
-    if choice is not None:  # the verdict only; the numbers behind it are in the line printed above the summary
+    choice = auto_choice(trainer.auto_keep_probs)
+    # The verdict only: the numbers behind it are in the line printed above the summary.
+    if choice is not None:
         verdict = choice["reason"].split(":", 1)[0]
         lines.append(("auto chose", f"branch {choice['branch_keep_prob']:g}, position "
                                     f"{choice['position_keep_prob']:g} at step {choice['step']}: {verdict}"))
@@ -97,15 +106,18 @@ def summarize(trainer, model_name: str, model_path: str, wall_seconds: float) ->
         share = _mean(history, key)
         if share is not None:
             lines.append((label, f"{100 * share:.1f}%{of}"))
-    lines += closing_lines(trainer)  # worst values, resume note, saved model or where the run stopped
-    details = auto_details(trainer)  # printed just above the summary: the log keeps the whole reason
+    # Worst values, resume note, saved model or where the run stopped.
+    lines += closing_lines(args, trainer.run_state, state.global_step)
+    # Printed just above the summary: the log keeps the whole reason.
+    details = auto_details(choice)
     return "\n".join(([details] if details else []) +
                      [line if isinstance(line, str) else f"  {line[0]:<24} {line[1]}" for line in lines])
 
 
-def closing_lines(trainer) -> list:
-    """Summary lines (label, text) or plain strings: worst values, resume note, then saved model or stop."""
-    args, lines, run = trainer.args, [], trainer.run_state
+def closing_lines(args: Any, run: "RunState", global_step: int) -> list:
+    """Summary lines (label, text) or plain strings: worst values, resume note, then saved model or stop. `run`: the
+    trainer's run state, `global_step`: the step training ended at."""
+    lines = []
     stop, guard = run.stop_request, run.divergence_guard
     worst = guard.summary() if guard is not None else None
     if worst:
@@ -113,7 +125,7 @@ def closing_lines(trainer) -> list:
     if run.resumed_from:
         start = checkpoints.checkpoint_step(run.resumed_from)
         note = f"{run.resumed_from}: the training time covers steps {start + 1 if start is not None else '?'}-"
-        note += f"{trainer.state.global_step} only"
+        note += f"{global_step} only"
         if not run.restored_logging_window:
             note += "; the first logged loss and prune/* figures after it cover only the resumed steps"
         lines.append(("resumed from", note))

@@ -41,7 +41,8 @@ def export_builtin(name: str, folder: Path | None = None, seed: int = 0) -> Path
         _write_splits(splits, temporary)
         try:
             temporary.rename(folder)
-        except OSError:  # another process got there first; its folder is identical
+        except OSError:
+            # Another process got there first; its folder is identical.
             if not folder.is_dir():
                 raise
     finally:

@@ -43,7 +43,8 @@ BUILTIN_MODELS = {
         max_position_embeddings=1024,
     ),
 }
-_FORMAT_VERSION = 1  # bump when the tokenizer or the way models are built changes
+# Bump when the tokenizer or the way models are built changes.
+_FORMAT_VERSION = 1
 
 
 def cache_dir() -> Path:
@@ -70,7 +71,8 @@ def build_model(name: str = "tiny-demo", seed: int = 0) -> LlamaForCausalLM:
         tie_word_embeddings=True,
         **BUILTIN_MODELS[name],
     )
-    with torch.random.fork_rng(devices=[]):  # seed the init without moving the caller's global RNG
+    # Seed the init without moving the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.float()
@@ -91,7 +93,8 @@ def _build(name: str, seed: int) -> LlamaForCausalLM:
 
 
 def _folder(name: str, seed: int) -> Path:
-    if name in PRETRAINED_MODELS:  # pretrained weights: the seed plays no part
+    # Pretrained weights: the seed plays no part.
+    if name in PRETRAINED_MODELS:
         return cache_dir() / "models" / folder_name(name)
     recipe = SFT_MODELS.get(name)
     spec = BUILTIN_MODELS[name] if recipe is None else [asdict(recipe), BUILTIN_MODELS[recipe.base]]
@@ -124,7 +127,8 @@ def resolve_model(name_or_path: str, seed: int = 0) -> str:
             build_tokenizer().save_pretrained(tmp)
         try:
             tmp.rename(folder)
-        except OSError:  # another process got there first; its folder is identical
+        except OSError:
+            # Another process got there first; its folder is identical.
             if not (folder / "model.safetensors").is_file():
                 raise
     finally:

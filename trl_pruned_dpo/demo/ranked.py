@@ -20,7 +20,8 @@ from datasets import Dataset, DatasetDict
 
 from .realtext import HELD_OUT_SHARE, MAX_WORDS, QUESTIONS, sections
 
-LEVELS = 4  # answers per prompt: 0 (on topic) .. 3 (off topic)
+# Answers per prompt: 0 (on topic) .. 3 (off topic).
+LEVELS = 4
 
 
 def _similar(target: int, pool: list[str], rng: random.Random) -> str:
@@ -64,6 +65,7 @@ def make_ranked_splits(seed: int = 0, questions_train: int = 2, questions_test: 
                 groups.append([{"prompt": user, "chosen": [{"role": "assistant", "content": answers[a]}],
                                 "rejected": [{"role": "assistant", "content": answers[b]}]}
                                for a in range(LEVELS) for b in range(a + 1, LEVELS)])
-        rng.shuffle(groups)  # the groups in a random order, each group's pairs together
+        # The groups in a random order, each group's pairs together.
+        rng.shuffle(groups)
         splits[split] = Dataset.from_list([row for group in groups for row in group])
     return DatasetDict(splits)

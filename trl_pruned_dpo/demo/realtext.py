@@ -38,7 +38,8 @@ DOCSTRING_QUESTIONS = (
     "In Python, what is `{title}` for?",
     "Briefly, what does `{title}` in the standard library do?",
 )
-HELD_OUT_SHARE = 0.35  # of the sections: 56 of 161, asked in every phrasing, 224 held-out pairs
+# The share of the sections held out: 56 of 161, asked in every phrasing, 224 held-out pairs.
+HELD_OUT_SHARE = 0.35
 MAX_WORDS = 40
 _TITLE_RULE = re.compile(r"[*=\-~^]{3,}")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"“*(])")
@@ -103,13 +104,15 @@ def _words(sentences: list[str]) -> int:
 
 def _pair(title: str, own: tuple[str, ...], others: list[tuple[str, tuple[str, ...]]], question: str,
           near_copy: bool, rng: random.Random) -> dict:
-    near_copy = near_copy and len(own) >= 2  # a one-sentence answer with its sentence replaced is an independent one
+    # A one-sentence answer with its sentence replaced is an independent one.
+    near_copy = near_copy and len(own) >= 2
     chosen = _opening(own, rng, least=2 if near_copy else 1)
     if near_copy and len(chosen) >= 2:
         rejected = list(chosen)
         i = rng.randrange(len(rejected))
         foreign = [s for _, sents in others for s in sents[:3] if s not in chosen and len(s.split()) <= MAX_WORDS]
-        target = len(rejected[i].split())  # a replacement of a similar length: the answer's length is no cue
+        # A replacement of a similar length: the answer's length is no cue.
+        target = len(rejected[i].split())
         rejected[i] = min(rng.sample(foreign, 8), key=lambda s: abs(len(s.split()) - target))
     else:
         candidates = [_opening(sents, rng) for _, sents in rng.sample(others, 8)]
@@ -162,7 +165,8 @@ DOCSTRING_MODULES = (
     "threading", "time", "timeit", "tokenize", "traceback", "types", "typing", "unicodedata", "urllib.parse",
     "urllib.request", "uuid", "warnings", "weakref", "webbrowser", "xml.etree.ElementTree", "zipfile", "zlib",
 )
-DOCSTRING_HELD_OUT_SHARE = 0.2  # of the modules
+# The share of the modules held out.
+DOCSTRING_HELD_OUT_SHARE = 0.2
 
 
 def _docstring_sentences(doc: str) -> tuple[str, ...]:

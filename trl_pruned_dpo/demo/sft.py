@@ -16,7 +16,9 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,16 +30,21 @@ from .tokenizer import build_tokenizer
 class SFTRecipe:
     """What determines a warm-started model (its cache folder is keyed by a hash of these fields)."""
 
-    base: str = "tiny-demo"  # the BUILTIN_MODELS entry it starts from
-    dataset: str = "sort-short"  # the BUILTIN_VARIANTS entry whose task and sizes it trains on
+    # The BUILTIN_MODELS entry it starts from.
+    base: str = "tiny-demo"
+    # The BUILTIN_VARIANTS entry whose task and sizes it trains on.
+    dataset: str = "sort-short"
     n_examples: int = 8192
     steps: int = 400
     batch_size: int = 32
     learning_rate: float = 3e-3
     warmup: int = 30
-    data_seed: int = 2_000_003  # far from the DPO splits' seeds (0 and 1_000_003)
-    threads: int = 1  # torch threads while training: the result then does not depend on the caller's thread count
-    held_out_pairs: int = 1024  # test pairs drawn for the DPO dataset (tasks.BUILTIN_VARIANTS), kept out of SFT
+    # Far from the DPO splits' seeds (0 and 1_000_003).
+    data_seed: int = 2_000_003
+    # Torch threads while training: the result then does not depend on the caller's thread count.
+    threads: int = 1
+    # Test pairs drawn for the DPO dataset (tasks.BUILTIN_VARIANTS), kept out of SFT.
+    held_out_pairs: int = 1024
 
 
 SFT_MODELS = {"tiny-demo-sft": SFTRecipe()}
@@ -45,15 +52,18 @@ SFT_MODELS = {"tiny-demo-sft": SFTRecipe()}
 
 def sft_examples(recipe: SFTRecipe, seed: int) -> list[dict[str, str]]:
     """SFT examples of the recipe's task and sizes, none with a prompt of the DPO dataset's train or test split."""
-    task, low, high, _, n_test = BUILTIN_VARIANTS[recipe.dataset]
-    if n_test != recipe.held_out_pairs:  # the recipe's hash names the cache folder: it must change with the split
-        raise ValueError(f"SFTRecipe.held_out_pairs={recipe.held_out_pairs} but {recipe.dataset} draws {n_test}.")
+    variant = BUILTIN_VARIANTS[recipe.dataset]
+    # The recipe's hash names the cache folder: it must change with the split.
+    if variant.n_test != recipe.held_out_pairs:
+        raise ValueError(f"SFTRecipe.held_out_pairs={recipe.held_out_pairs} but {recipe.dataset} draws "
+                         f"{variant.n_test}.")
     held = {p for split in load_builtin(recipe.dataset, seed).values() for p in split["prompt"]}
-    rows = make_examples(task, recipe.n_examples, recipe.data_seed + seed, low, high)
+    rows = make_examples(variant.task, recipe.n_examples, recipe.data_seed + seed, variant.min_size,
+                         variant.max_size)
     return [row for row in rows if row["prompt"] not in held]
 
 
-def encode(tokenizer, rows) -> list[tuple[list[int], int]]:
+def encode(tokenizer: Any, rows: list[dict[str, str]]) -> list[tuple[list[int], int]]:
     """(ids, first completion index) per row: ``<bos> prompt completion <eos>``, as TRL lays out a DPO sequence for
     the demo's tokenizer."""
     encoded = []
@@ -64,7 +74,7 @@ def encode(tokenizer, rows) -> list[tuple[list[int], int]]:
     return encoded
 
 
-def _batch(encoded, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(encoded: list[tuple[list[int], int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, labels, attention_mask), right-padded; labels only on the completion (and its EOS)."""
     width = max(len(ids) for ids, _ in encoded)
     input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
@@ -77,15 +87,16 @@ def _batch(encoded, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return input_ids, labels, attention
 
 
-def train_causal_lm(model, encoded: list[tuple[list[int], int]], steps: int, batch_size: int, learning_rate: float,
-                    warmup: int, pad_id: int, order: random.Random, log, log_every: int = 100):
+def train_causal_lm(model: torch.nn.Module, encoded: list[tuple[list[int], int]], steps: int, batch_size: int,
+                    learning_rate: float, warmup: int, pad_id: int, order: random.Random, log: Callable[[str], None],
+                    log_every: int = 100) -> torch.nn.Module:
     """The one SFT loop of the project (the demo's warm start, the toy quality study's, the real-model study's):
     `steps` AdamW steps on `batch_size` examples drawn from `encoded` ((ids, first completion index) pairs) with
     `order`, the loss on the completion tokens only, linear warm-up then cosine decay to a tenth, gradients clipped
     at 1. Trains `model` in place (train mode); the caller seeds torch and sets the thread count."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0, betas=(0.9, 0.98))
 
-    def lr_factor(step):
+    def lr_factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, steps - warmup)
@@ -107,14 +118,16 @@ def train_causal_lm(model, encoded: list[tuple[list[int], int]], steps: int, bat
     return model
 
 
-def fine_tune(model, recipe: SFTRecipe, seed: int = 0, log=None):
+def fine_tune(model: torch.nn.Module, recipe: SFTRecipe, seed: int = 0,
+              log: Callable[[str], None] | None = None) -> torch.nn.Module:
     """Train `model` (a fresh built-in init) in place by `recipe`; returns it in eval mode. Leaves the caller's
     global RNGs untouched."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     tokenizer = build_tokenizer()
     encoded = encode(tokenizer, sft_examples(recipe, seed))
     threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.threads)  # a thread count may change the order of reductions, hence the weights
+    # A thread count may change the order of reductions, hence the weights.
+    torch.set_num_threads(recipe.threads)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

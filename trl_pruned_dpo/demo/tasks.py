@@ -20,6 +20,7 @@ Completions start with a space and prompts end on ``" ="``, so a character-level
 
 import random
 import string
+from typing import NamedTuple
 
 from datasets import Dataset, DatasetDict
 
@@ -77,7 +78,8 @@ def is_correct(task: str | None, prompt: str, completion: str) -> bool:
     prompt_task, body = _parse(prompt)
     if task not in (None, "mix", prompt_task):
         raise ValueError(f"Prompt {prompt!r} is a {prompt_task!r} prompt, not {task!r}.")
-    answer = completion.split("<", 1)[0].strip()  # drop "<eos>" and anything generated after it
+    # Drop "<eos>" and anything generated after it.
+    answer = completion.split("<", 1)[0].strip()
     if prompt_task == "add":
         a, b = (int(t) for t in body.split("+"))
         return answer.rpartition("=>")[2].strip() == str(a + b)
@@ -89,7 +91,8 @@ def is_correct(task: str | None, prompt: str, completion: str) -> bool:
 
 def _sort_example(rng: random.Random, size: int) -> tuple[str, str, str]:
     items = [rng.randrange(100) for _ in range(size)]
-    if size >= 2 and len(set(items)) == 1:  # a swap needs two distinct values
+    # A swap needs two distinct values.
+    if size >= 2 and len(set(items)) == 1:
         items[0] = (items[0] + 1) % 100
     prompt = "sort: " + " ".join(map(str, items)) + " ="
     answer = sorted(items)
@@ -135,7 +138,8 @@ def make_examples(
     """`n` examples as dicts with prompt/chosen/rejected, a pure function of the arguments."""
     if task not in TASKS + ("mix",):
         raise ValueError(f"Unknown demo task {task!r}: choose among {list(TASKS + ('mix',))}.")
-    rng = random.Random(f"trl-pruned-dpo/{task}/{seed}")  # str seeds hash with SHA-512: stable across runs
+    # String seeds hash with SHA-512: stable across runs.
+    rng = random.Random(f"trl-pruned-dpo/{task}/{seed}")
     examples = []
     for index in range(n):
         name = TASKS[index % len(TASKS)] if task == "mix" else task
@@ -171,16 +175,31 @@ def make_splits(
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_SPLIT_SIZES = {"train": 4096, "test": 256}
-# Named variants: (task, min_size, max_size, train pairs, test pairs drawn). `sort-short` (1 to 12 numbers, responses
-# of 2 to ~36 tokens) is what the SFT-warm-started demo model (demo/sft.py) learns to rank within a minute of CPU.
-# Its 1024 drawn test pairs leave 969 once the prompts seen in training are dropped: enough that one evaluation's
-# sampling error (~0.013 at an accuracy of 0.85) is below the differences the demo reports.
-BUILTIN_VARIANTS = {"sort-short": ("sort", 1, 12, 2048, 1024)}
 
 
-REAL_TEXT = "python-docs"  # real English text in the conversational format (realtext.py)
-RANKED_TEXT = "python-docs-ranked"  # the same text, 4 graded answers and all 6 pairs per prompt (ranked.py)
-REAL_TEXT_DOCSTRINGS = "python-docstrings"  # the standard library's docstrings, the same format (realtext.py)
+class Variant(NamedTuple):
+    """A named variant of a task: its sizes (`min_size` to `max_size`), the train pairs and the test pairs drawn."""
+
+    task: str
+    min_size: int
+    max_size: int
+    n_train: int
+    n_test: int
+
+
+# Named variants. `sort-short` (1 to 12 numbers, responses of 2 to ~36 tokens) is what the SFT-warm-started demo model
+# (demo/sft.py) learns to rank within a minute of CPU. Its 1024 drawn test pairs leave 969 once the prompts seen in
+# training are dropped: enough that one evaluation's sampling error (~0.013 at an accuracy of 0.85) is below the
+# differences the demo reports.
+BUILTIN_VARIANTS = {"sort-short": Variant("sort", 1, 12, 2048, 1024)}
+
+
+# Real English text in the conversational format (realtext.py).
+REAL_TEXT = "python-docs"
+# The same text, 4 graded answers and all 6 pairs per prompt (ranked.py).
+RANKED_TEXT = "python-docs-ranked"
+# The standard library's docstrings, the same format (realtext.py).
+REAL_TEXT_DOCSTRINGS = "python-docstrings"
 
 
 def builtin_names() -> list[str]:
@@ -210,8 +229,8 @@ def load_builtin(name: str, seed: int = 0) -> DatasetDict:
 
         return make_docstring_splits(seed)
     if task in BUILTIN_VARIANTS:
-        task, low, high, n_train, n_test = BUILTIN_VARIANTS[task]
-        return make_splits(task, n_train, n_test, seed, low, high)
+        variant = BUILTIN_VARIANTS[task]
+        return make_splits(variant.task, variant.n_train, variant.n_test, seed, variant.min_size, variant.max_size)
     if task not in TASKS + ("mix",):
         raise ValueError(f"Unknown built-in dataset {name!r}: choose among {builtin_names()}.")
     return make_splits(task, BUILTIN_SPLIT_SIZES["train"], BUILTIN_SPLIT_SIZES["test"], seed)

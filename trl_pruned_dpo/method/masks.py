@@ -63,7 +63,7 @@ def draw_prefix_keep(
     return ((t > 0) & (t <= k.unsqueeze(1))).to(response.device)
 
 
-def pair_probs(keep_prob, num_pairs: int) -> torch.Tensor:
+def pair_probs(keep_prob: float | torch.Tensor, num_pairs: int) -> torch.Tensor:
     """A keep probability as a (num_pairs,) float64 tensor: a float is the same for every pair; a tensor has one
     value per pair (trl_pruned_dpo/auto.py). Either way it is fixed before the draw it weights."""
     if torch.is_tensor(keep_prob):
@@ -73,12 +73,12 @@ def pair_probs(keep_prob, num_pairs: int) -> torch.Tensor:
     return torch.full((num_pairs,), float(keep_prob), dtype=torch.float64)
 
 
-def prunes(keep_prob) -> bool:
+def prunes(keep_prob: float | torch.Tensor) -> bool:
     """Whether a keep probability (float or per-pair tensor) drops anything."""
     return bool((keep_prob < 1).any()) if torch.is_tensor(keep_prob) else keep_prob < 1
 
 
-def draw_positions(response: torch.Tensor, keep_prob, generator: torch.Generator) -> torch.Tensor:
+def draw_positions(response: torch.Tensor, keep_prob: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Boolean (rows, cols): m_t ~ Bernoulli(keep_prob) on response positions (Eq. 1), one draw per pair.
 
     The chosen and the rejected row of a pair share their draws position by position (their responses start at the
@@ -92,7 +92,8 @@ def draw_positions(response: torch.Tensor, keep_prob, generator: torch.Generator
     return torch.cat([u, u]).lt(torch.cat([p, p])).to(response.device) & response.bool()
 
 
-def draw_branches(num_pairs: int, keep_prob, sampling: str, generator: torch.Generator) -> torch.Tensor:
+def draw_branches(num_pairs: int, keep_prob: float | torch.Tensor, sampling: str,
+                  generator: torch.Generator) -> torch.Tensor:
     """Boolean (2 * num_pairs,): z_b, whether each row ([chosen; rejected]) is backpropagated. P(z_b = 1) = keep_prob.
 
     "paired" stratifies per pair: for p >= 1/2 one branch (a fair coin picks which) always and the other with
@@ -115,7 +116,7 @@ def draw_branches(num_pairs: int, keep_prob, sampling: str, generator: torch.Gen
     return torch.cat([chosen, rejected])
 
 
-def identical_rows(input_ids: torch.Tensor, attention_mask=None) -> torch.Tensor:
+def identical_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(rows,) long: for each row, the first row of the batch holding the same real tokens (itself if none). Such rows
     (one response in several pairs of a prompt group) run once (plan.py), so they are backpropagated together."""
     rows, width = input_ids.shape
@@ -143,7 +144,8 @@ def from_first_real(x: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return x.gather(1, (offset[:, None] + cols).clamp(max=x.size(1) - 1))
 
 
-def common_prefix(input_ids: torch.Tensor, response: torch.Tensor, attention_mask=None) -> torch.Tensor:
+def common_prefix(input_ids: torch.Tensor, response: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean (rows, cols): the response tokens that chosen and rejected share at their start, in both rows.
 
     A pair's rows are compared token by token from their first real token (`attention_mask`; column 0 without it, so
@@ -156,19 +158,23 @@ def common_prefix(input_ids: torch.Tensor, response: torch.Tensor, attention_mas
     roles = from_first_real(F.pad(response.bool(), (1, 0)), offset) & (offset[:, None] + cols < width)
     run = pair_agreement(from_first_real(input_ids, offset), roles).long().cumprod(dim=1).bool()
     common = torch.cat([run, run]) & roles
-    back = (cols - offset[:, None]).clamp(min=0)  # grid column c holds real token c - offset
+    # Grid column c holds real token c - offset.
+    back = (cols - offset[:, None]).clamp(min=0)
     return (common.gather(1, back) & (cols >= offset[:, None]))[:, 1:]
 
 
-NEAR_COPY = 0.5  # pairs whose responses agree on at least this fraction of aligned positions keep both branches
+# Pairs whose responses agree on at least this fraction of aligned positions keep both branches.
+NEAR_COPY = 0.5
 
 
-def pair_overlap(input_ids: torch.Tensor, completion_mask: torch.Tensor, attention_mask=None) -> torch.Tensor:
+def pair_overlap(input_ids: torch.Tensor, completion_mask: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(pairs,) fraction of the longer response's positions where chosen and rejected hold the same token after the
     same token, counted from each row's first real token (`attention_mask`; column 0 without it), where a pair's
     responses start alike. Near-copies ~1; two independent answers ~0, even where separators happen to line up (the
     preceding token then differs)."""
-    if attention_mask is not None:  # a left-padding collator's rows, aligned as common_prefix aligns them
+    # A left-padding collator's rows, aligned as common_prefix aligns them.
+    if attention_mask is not None:
         offset = attention_mask.long().argmax(dim=1)
         cols = torch.arange(input_ids.size(1), device=input_ids.device)
         input_ids = from_first_real(input_ids, offset)

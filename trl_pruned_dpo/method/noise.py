@@ -8,13 +8,18 @@ measures (tensors); this module estimates and chooses (floats).
 """
 
 import math
+from typing import Any
 
 from ..config import BRANCH_GRID, POSITION_GRID
 
-MIN_GAIN, MAX_STEP_INFLATION, UPPER_Z = 0.05, 0.05, 1.28  # saving required; extra steps allowed; one-sided 90% bound
-DECAY = 0.97  # weight of the past per measured sample in the running sums (~33 samples of memory)
-MAX_LOSS_GIVEN_UP, LOSS_WINDOW = 0.1, 8  # (A3): share of the loss gained so far; the recent steps it reads
-UNRESOLVED = 10.0  # r + 1 of a probe whose tr Σ or its neighbours' the drift hides: prune at no probability
+# The saving required, the extra steps allowed, and a one-sided 90% bound.
+MIN_GAIN, MAX_STEP_INFLATION, UPPER_Z = 0.05, 0.05, 1.28
+# The weight of the past per measured sample in the running sums (~33 samples of memory).
+DECAY = 0.97
+# For (A3): the share of the loss gained so far that pruning may give up, and the recent steps it reads.
+MAX_LOSS_GIVEN_UP, LOSS_WINDOW = 0.1, 8
+# The r + 1 of a probe whose tr Σ (or its neighbours') the drift hides: prune at no probability.
+UNRESOLVED = 10.0
 
 
 def student(z: float, dof: float) -> float:
@@ -25,7 +30,7 @@ def student(z: float, dof: float) -> float:
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * d ** 3))
 
 
-def head_share(config) -> float:
+def head_share(config: Any) -> float:
     """Share of a token's FLOPs in the LM head (d V against ~4 d² + 3 d f per layer); 0 if unknown."""
     d, layers, vocab = (getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
     if None in (d, layers, vocab):
@@ -41,11 +46,13 @@ def relative_step_cost(branch_keep_prob: float, branch_half_cost: float, positio
     return (1.0 - 2.0 * (1.0 - branch_keep_prob) * (1.0 - branch_half_cost)) * (1.0 - head * (1.0 - position_keep_prob))
 
 
-def extra_noise(r_half: float, keep_prob: float) -> float:  # inverse-probability weights: ∝ (1 - p) / p (Eqs. 1, 3)
+# Inverse-probability weights: ∝ (1 - p) / p (Eqs. 1, 3).
+def extra_noise(r_half: float, keep_prob: float) -> float:
     return r_half * (1.0 - keep_prob) / keep_prob
 
 
-def steps_factor(b_simple: float, r: float, batch: int) -> float:  # 1 + B_noise (1 + r) / B (McCandlish Eq. 2.7)
+# The factor 1 + B_noise (1 + r) / B on the steps (McCandlish Eq. 2.7).
+def steps_factor(b_simple: float, r: float, batch: int) -> float:
     return 1.0 + b_simple * (1.0 + r) / batch
 
 
@@ -68,7 +75,8 @@ class PairedSteps:
     first pair after it (its link's gradient is not saved)."""
 
     def __init__(self, carried: float | None = None):
-        self.first, self.last = None, None  # [|g_t|², t, kind, link] of a pair's first step; [t, within]
+        # `first`: [|g_t|², t, kind, link] of a pair's first step; `last`: [t, within].
+        self.first, self.last = None, None
         self.carried, self.latest = carried, None
 
     def add(self, step: int, kind: str, small2: float, diff2: float, pairs: float):
@@ -82,7 +90,8 @@ class PairedSteps:
         if self.first is None or self.first[1:3] != [step - 1, kind]:
             return None, None
         (first, _, _, link), self.first = self.first, None
-        within = diff2  # |g_t - g_(t+1)|²; |g_t + g_(t+1)|² = 2 |g_t|² + 2 |g_(t+1)|² - within
+        # `within` is |g_t - g_(t+1)|²; |g_t + g_(t+1)|² = 2 |g_t|² + 2 |g_(t+1)|² - within.
+        within = diff2
         drift = self.carried if link is None else pairs * pair_drift(link, self.last[1], within) / 2
         self.last, self.carried, self.latest = [step - 1, within], None, drift
         return ((first + small2) / 2, (2 * (first + small2) - within) / 4, pairs, 2 * pairs), drift
@@ -107,7 +116,7 @@ class ProbeLevels:
     """The last three exact blocks' log tr Σ (None: unresolved) and a probe block waiting for the exact block after
     it: each probe's log(r + 1) sample, `ratio_<family>`, and the exact blocks' `jitter`, into a Running."""
 
-    def __init__(self, state=None):
+    def __init__(self, state: dict | None = None):
         self.levels, self.probe = list((state or {}).get("levels", [])), (state or {}).get("probe")
 
     def state_dict(self) -> dict:
@@ -120,7 +129,8 @@ class ProbeLevels:
             self.probe, self.levels = None, [*self.levels[-2:], level]
             if (jitter := level_jitter(self.levels)) is not None:
                 stats.add("jitter", jitter)
-        elif self.levels:  # waits for the next exact block
+        elif self.levels:
+            # The probe waits for the next exact block.
             self.probe = [level, kind]
 
 
@@ -139,10 +149,13 @@ def branch_idle(stats: "Running") -> set:
         1 - MIN_GAIN) * stats.mean("work_exact") else set()
 
 
-def choose(b_simple, r_branch, r_position, batch, head, branch_auto, position_auto, branch_half_cost=0.75, room=0.0):
+def choose(b_simple: float, r_branch: float, r_position: float, batch: int, head: float, branch_auto: bool,
+           position_auto: bool, branch_half_cost: float = 0.75,
+           room: float = 0.0) -> tuple[float, float, float, str]:
     """(branch p, position p, time ratio, reason): (A1) minimised over the grids within +MAX_STEP_INFLATION steps; where
     the loss curve allows more (`room`, LossCurve.room: 1 - 1/f up to it, A3), the least work per step within it."""
-    flat = room > 1 - 1 / (1 + MAX_STEP_INFLATION)  # equal steps: the curve has flattened (A3)
+    # Equal steps: the curve has flattened (A3).
+    flat = room > 1 - 1 / (1 + MAX_STEP_INFLATION)
     if not (math.isfinite(b_simple) or flat):
         return 1.0, 1.0, 1.0, "keep everything: the noise scale is not resolved yet"
     noise = lambda pb, pp: extra_noise(r_branch, pb) + extra_noise(r_position, pp)  # noqa: E731
@@ -171,7 +184,7 @@ class LossCurve:
     """The training loss of each optimizer step (reduced over ranks): its start, and its recent level and rate as
     one-sided UPPER_Z bounds from a least-squares line over the last LOSS_WINDOW steps (A3)."""
 
-    def __init__(self, state=None):
+    def __init__(self, state: dict | None = None):
         self.start, self.recent = list((state or {}).get("start", [])), list((state or {}).get("recent", []))
 
     def state_dict(self) -> dict:
@@ -197,7 +210,8 @@ class LossCurve:
         z = student(z, n - 2)
         now = l_mean + slope * (s[-1] - s_mean) + z * math.sqrt(var * (1 / n + (s[-1] - s_mean) ** 2 / sxx))
         rate = -slope + z * math.sqrt(var / sxx)
-        if rate <= 0:  # rising: not the convex, falling curve (A3) reads
+        # A rising curve is not the convex, falling curve (A3) reads.
+        if rate <= 0:
             return 0.0
         rest = rate * (max_steps - step) if floor is None else min(rate * (max_steps - step), max(now - floor, 0.0))
         gained = sum(self.start) / len(self.start) - now
@@ -207,23 +221,32 @@ class LossCurve:
 class Running:
     """Decayed sums per quantity: mean, and standard error from the spread and the effective sample count."""
 
-    def __init__(self, state=None):  # name -> [Σ w, Σ w², Σ w x, Σ w x²], w = DECAY^age
+    def __init__(self, state: dict | None = None):
+        # `sums`: name -> [Σ w, Σ w², Σ w x, Σ w x²], w = DECAY^age.
         self.sums = dict(state or {})
 
-    def add(self, name, x):
-        w, w2, sx, sxx = self.sums.get(name, [0.0, 0.0, 0.0, 0.0])
+    def add(self, name: str, x: float) -> None:
+        sums = self.sums.get(name, [0.0, 0.0, 0.0, 0.0])
+        # The weights (Σ w, Σ w²) and the weighted moments (Σ w x, Σ w x²) age by one sample; x enters with w = 1.
+        w, w2 = sums[:2]
+        sx, sxx = sums[2:]
         self.sums[name] = [DECAY * w + 1, DECAY ** 2 * w2 + 1, DECAY * sx + x, DECAY * sxx + x * x]
 
-    def count(self, name):  # effective number of samples
-        w, w2, _, _ = self.sums.get(name, [0.0, 1.0, 0.0, 0.0])
+    def count(self, name: str) -> float:
+        # The effective number of samples.
+        w, w2 = self.sums.get(name, [0.0, 1.0, 0.0, 0.0])[:2]
         return w * w / w2
 
-    def mean(self, name, z=0.0, spread=0.0):  # z: a normal quantile; the bound is Student's t at the samples'
-        w, w2, sx, sxx = self.sums[name]  # degrees of freedom; `spread`: a known floor on one sample's variance
+    def mean(self, name: str, z: float = 0.0, spread: float = 0.0) -> float:
+        # `z`: a normal quantile, the bound being Student's t at the samples' degrees of freedom; `spread`: a known
+        # floor on one sample's variance.
+        sums = self.sums[name]
+        w = sums[0]
+        sx, sxx = sums[2:]
         mean, dof = sx / w, max(self.count(name) - 1, 1)
         return mean + student(z, dof) * math.sqrt(max(sxx / w - mean * mean, 0.0, spread) / dof)
 
-    def ratio(self, num, den, cross, z=0.0):
+    def ratio(self, num: str, den: str, cross: str, z: float = 0.0) -> float:
         """mean(num) / mean(den) of quantities added together (`cross`: their product), z standard errors above
         (below, if negative) by the delta method: from the spread of num - R den, so that a scale both share (the
         gradient norms shrinking as training goes on) cancels; an unresolved mean(den) shows as a wide spread. inf
@@ -232,6 +255,7 @@ class Running:
         if sd <= 0:
             return math.inf if z >= 0 else 0.0
         ratio = sn / sd
-        spread = max(snn - 2 * ratio * sc + ratio * ratio * sdd, 0.0) / w  # E (num - R den)², its mean being 0
+        # E (num - R den)², its mean being 0.
+        spread = max(snn - 2 * ratio * sc + ratio * ratio * sdd, 0.0) / w
         dof = max(self.count(num) - 1, 1)
         return max(ratio + student(z, dof) * math.sqrt(spread / dof) / (sd / w), 0.0)

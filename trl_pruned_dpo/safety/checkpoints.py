@@ -27,15 +27,22 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DiskFullError, ResumeError
 
+if TYPE_CHECKING:
+    from ..config import PrunedDPOConfig
+
 MARKER = "pruned_dpo_complete.json"
-RUN_STATE = "pruned_dpo_run_state.json"  # per process: logging window and worst values, so a resume logs like no resume
+# Per process: the logging window and the worst values, so that a resume logs like no resume.
+RUN_STATE = "pruned_dpo_run_state.json"
 MARKER_VERSION = 1
-SAVING = "pruned_dpo_saving"  # written before a checkpoint's first file, removed once its marker is in place
+# Written before a checkpoint's first file, removed once its marker is in place.
+SAVING = "pruned_dpo_saving"
 
 # The fields that decide which masks are drawn (docs/method.md) and which pairs share a batch (`group_by_prompt`);
 # compared on resume.
@@ -58,7 +65,7 @@ def _is_content(path: Path) -> bool:
 # --- writing --------------------------------------------------------------------------------------------------------
 
 
-def pruning_config(args) -> dict:
+def pruning_config(args: "PrunedDPOConfig") -> dict:
     return {name: getattr(args, name) for name in PRUNING_FIELDS}
 
 
@@ -66,7 +73,8 @@ def _fsync(path: Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
-    except OSError as error:  # some filesystems cannot fsync a directory; the data files were synced
+    except OSError as error:
+        # Some filesystems cannot fsync a directory; the data files were synced.
         if not directory or error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
             raise
     finally:
@@ -99,7 +107,8 @@ def write_json_atomic(path: Path, content: dict) -> None:
     """Write `content` to `path` so that a reader sees either nothing or all of it (write, fsync, rename). The
     temporary file's name is unique, so writers on several nodes sharing a filesystem never write the same file."""
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.chmod(temporary, default_mode())  # mkstemp creates it 0600; the marker is as readable as the checkpoint
+    # `mkstemp` creates it 0600; the marker is as readable as the checkpoint.
+    os.chmod(temporary, default_mode())
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(json.dumps(content, indent=1, sort_keys=True))
@@ -112,7 +121,7 @@ def write_json_atomic(path: Path, content: dict) -> None:
     _fsync(path.parent, directory=True)
 
 
-def mark_complete(folder: str | os.PathLike, args, step: int) -> None:
+def mark_complete(folder: str | os.PathLike, args: "PrunedDPOConfig", step: int) -> None:
     """Write the completion marker of `folder`: every file flushed to disk first, then the manifest, atomically."""
     folder = Path(folder)
     give_default_modes(folder)
@@ -137,7 +146,7 @@ def unmark(folder: str | os.PathLike) -> None:
     (folder / SAVING).touch()
 
 
-def _run_state_path(folder, rank: int) -> Path:
+def _run_state_path(folder: str | os.PathLike, rank: int) -> Path:
     return Path(folder) / RUN_STATE.replace(".json", f"-{rank}.json")
 
 
@@ -223,7 +232,7 @@ def stored_pruning(folder: str | os.PathLike) -> dict | None:
         return None
 
 
-def pruning_differences(folder: str | os.PathLike, args) -> list[str]:
+def pruning_differences(folder: str | os.PathLike, args: "PrunedDPOConfig") -> list[str]:
     """`field: checkpoint value -> this run's value` for every pruning field that differs."""
     stored = stored_pruning(folder) or {}
     now = pruning_config(args)
@@ -231,12 +240,12 @@ def pruning_differences(folder: str | os.PathLike, args) -> list[str]:
             if name in stored and stored[name] != now[name]]
 
 
-def is_resume_request(value) -> bool:
+def is_resume_request(value: str | bool | None) -> bool:
     """`--resume_from_checkpoint true/auto/last` (any case), or `True` from Python."""
     return value is True or (isinstance(value, str) and value.strip().lower() in ("true", "auto", "last"))
 
 
-def resolve_resume(value, args) -> tuple[str | None, str | None]:
+def resolve_resume(value: str | bool | None, args: "PrunedDPOConfig") -> tuple[str | None, str | None]:
     """The checkpoint to resume from for `resume_from_checkpoint=value`, and a sentence saying what was chosen.
 
     `True`/"true"/"auto"/"last": the newest complete checkpoint in `args.output_dir`, skipping incomplete newer ones.
@@ -334,24 +343,26 @@ def disk_full_as_error(what: str, where: str | os.PathLike, output_dir: str | os
         raise DiskFullError(disk_full_message(what, where, output_dir or where)) from None
 
 
-def _agree(trainer, error: BaseException | None) -> tuple[str | None, int | None, bool]:
+def _agree(args: "PrunedDPOConfig", error: BaseException | None) -> tuple[str | None, int | None, bool]:
     """Every process learns whether any failed, and why: (the one-line reason, the failing process, whether it is a
     full disk), the same on all, or (None, None, False). One exchange of small objects, instead of a barrier that a
-    process which died would never reach."""
+    process which died would never reach. `args`: the trainer's (its process index and world size)."""
     local = None if error is None else " ".join(str(error).split()) or type(error).__name__
-    me, full = trainer.args.process_index, isinstance(error, DiskFullError)
-    if trainer.args.world_size == 1:
+    me, full = args.process_index, isinstance(error, DiskFullError)
+    if args.world_size == 1:
         return local, (None if local is None else me), full
     from accelerate.utils import gather_object
 
     failed = [f for f in gather_object([(me, local, full)]) if f[1] is not None]
     if not failed:
         return None, None, False
-    rank, reason, full = min(failed, key=lambda f: (not f[2], f[0]))  # a full disk first: it names the remedy
+    # A full disk first: it names the remedy.
+    rank, reason, full = min(failed, key=lambda f: (not f[2], f[0]))
     return reason, rank, full
 
 
-def save_complete(trainer, save, model, trial, run_state: dict, run_dir: str) -> None:
+def save_complete(trainer: Any, save: Callable[[Any, Any], None], model: Any, trial: Any, run_state: dict,
+                  run_dir: str) -> None:
     """`save(model, trial)` (TRL's checkpoint, in `run_dir`), then every process's `run_state` and the completion
     marker; older checkpoints are rotated only after the new one is complete. A failure on any process (a full disk
     said in one line, the partial folder removed by the main process) ends every process with the same one-line
@@ -363,10 +374,11 @@ def save_complete(trainer, save, model, trial, run_state: dict, run_dir: str) ->
     name = os.path.basename(folder)
     limit, args.save_total_limit = args.save_total_limit, None
 
-    def attempt(step) -> BaseException | None:
+    def attempt(step: Callable[[], object]) -> BaseException | None:
         try:
             step()
-        except Exception as error:  # shared with every process below
+        except Exception as error:
+            # The error is shared with every process below.
             if is_disk_full(error, folder):
                 return DiskFullError(disk_full_message(name, folder, run_dir) + " The incomplete checkpoint was "
                                      "removed.")
@@ -383,10 +395,12 @@ def save_complete(trainer, save, model, trial, run_state: dict, run_dir: str) ->
         for step in (files, lambda: mark_complete(folder, args, trainer.state.global_step) if args.should_save
                      else None):
             error = attempt(step)
-            reason, rank, full = _agree(trainer, error)  # every file is written before the marker, on every process
+            # Every file is written before the marker, on every process.
+            reason, rank, full = _agree(args, error)
             if reason is None:
                 continue
-            if full and trainer.is_world_process_zero():  # one process cleans: the others may share the folder
+            # One process cleans: the others may share the folder.
+            if full and trainer.is_world_process_zero():
                 shutil.rmtree(folder, ignore_errors=True)
             if rank == args.process_index:
                 raise error

@@ -20,10 +20,17 @@ checked: counting them would consume them.
 """
 
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import EmptyTrainingSet
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from datasets import Dataset
+
+    from ..config import PrunedDPOConfig
 
 VISION_ERROR = (
     "Pruning supports text datasets only (the pruned forward slices rows and columns of token tensors, not images): "
@@ -32,7 +39,7 @@ VISION_ERROR = (
 )
 
 
-def check_prunable(args, train_dataset, processing_class) -> None:
+def check_prunable(args: "PrunedDPOConfig", train_dataset: Any, processing_class: Any) -> None:
     """Reject what stock accepts but the pruned forward cannot do, before any work."""
     from transformers import ProcessorMixin
 
@@ -49,13 +56,14 @@ def check_prunable(args, train_dataset, processing_class) -> None:
             raise ValueError(VISION_ERROR)
 
 
-def _token_lists(table, name: str) -> tuple[np.ndarray, np.ndarray]:
+def _token_lists(table: "pa.Table", name: str) -> tuple[np.ndarray, np.ndarray]:
     """(offsets, values) of a list-of-int column: row i is values[offsets[i]:offsets[i + 1]]."""
     column = table.column(name).combine_chunks()
     return column.offsets.to_numpy(), column.values.to_numpy(zero_copy_only=False)
 
 
-def _identical(chosen, rejected, rows: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def _identical(chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray], rows: np.ndarray,
+               lengths: np.ndarray) -> np.ndarray:
     """For each of `rows` (whose chosen and rejected both have `lengths` tokens): are the two lists equal?"""
     total = int(lengths.sum())
     if total == 0:
@@ -75,7 +83,7 @@ def _response_lengths(offsets: np.ndarray, values: np.ndarray, eos_id: int | Non
     return lengths - ends_with_eos.astype(lengths.dtype)
 
 
-def pair_findings(prepared, max_length: int | None, keep_start: bool, eos_id: int | None) -> dict:
+def pair_findings(prepared: "Dataset", max_length: int | None, keep_start: bool, eos_id: int | None) -> dict:
     """Counts (and the first example row) of degenerate, one-sided empty and truncated pairs; numpy over Arrow."""
     table = prepared.with_format("arrow")[:]
     prompt, chosen, rejected = (_token_lists(table, c) for c in ("prompt_ids", "chosen_ids", "rejected_ids"))
@@ -92,7 +100,7 @@ def pair_findings(prepared, max_length: int | None, keep_start: bool, eos_id: in
         max_length is not None and not keep_start) else np.zeros_like(degenerate)
     misaligned = cut_start & (chosen_len != rejected_len)
 
-    def first(flags):
+    def first(flags: np.ndarray) -> int | None:
         hits = np.flatnonzero(flags)
         return int(hits[0]) if len(hits) else None
 
@@ -101,7 +109,7 @@ def pair_findings(prepared, max_length: int | None, keep_start: bool, eos_id: in
             "misaligned": int(misaligned.sum())}
 
 
-def check_training_pairs(trainer, given) -> None:
+def check_training_pairs(trainer: Any, given: Any) -> None:
     """Warn about degenerate and truncated pairs of `trainer.train_dataset` (after TRL's tokenization and
     filtering), refuse a dataset that cannot train. `given`: the training dataset passed to the trainer.
 
@@ -110,7 +118,7 @@ def check_training_pairs(trainer, given) -> None:
     findings, error = None, None
     if accelerator.is_main_process:
         try:
-            findings = _findings(trainer, given)
+            findings = _findings(trainer.train_dataset, trainer.args, trainer.processing_class, given)
         except (ValueError, EmptyTrainingSet) as refused:
             error = refused
     if accelerator.num_processes > 1:
@@ -126,14 +134,16 @@ def check_training_pairs(trainer, given) -> None:
         _warn(findings)
 
 
-def _findings(trainer, given) -> dict | None:
-    prepared, args = trainer.train_dataset, trainer.args
+def _findings(prepared: Any, args: "PrunedDPOConfig", tokenizer: Any, given: Any) -> dict | None:
+    """What `_warn` says of the prepared training pairs (`prepared`: the trainer's `train_dataset`, `tokenizer`: its
+    `processing_class`, `given`: the dataset passed to it), or None when there is nothing to check; refuses a dataset
+    that cannot train."""
     if not hasattr(prepared, "__len__") or not {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(
             prepared.column_names or ()):
         return None
     max_length = args.max_length
-    tokenizer = trainer.processing_class
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's public tokenizer
+    # A processor's public tokenizer.
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     eos_id = getattr(tokenizer, "eos_token_id", None)
     n_before = len(given) if hasattr(given, "__len__") else None
     if len(prepared) == 0 and n_before:

@@ -18,30 +18,38 @@
 import math
 import statistics
 import warnings
+from typing import TYPE_CHECKING, Any
 
 from ..config import AUTO, BRANCH_GRID, POSITION_GRID, uses_pruned_forward
 from ..errors import EmptyTrainingSet
 from . import checkpoints
 
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import PrunedDPOConfig
+
 # Above this largest weight, a small batch mostly keeps nothing (zero gradient) and the rare kept term is multiplied
 # by the weight: with keep probabilities 0.01 a measured run had 28 of 30 steps with gradient norm 0 and the others
 # near 1,000. 20 is e.g. branch 0.25 with position 0.2; docs/cli.md "Failures and resume".
 MAX_INVERSE_WEIGHT = 20.0
-_HISTORY = 100  # steps in the running median
+# Steps in the running median.
+_HISTORY = 100
 
 
-def check_not_empty(dataset, args) -> None:
+def check_not_empty(dataset: Any, args: "PrunedDPOConfig") -> None:
     """An empty training set makes the sampler fail with `num_samples=0`: say so. (Pairs all dropped by truncation
     are refused earlier, when the trainer is built: data_checks.py.)"""
     try:
         rows = len(dataset)
-    except TypeError:  # an IterableDataset: its length is unknown before iterating
+    except TypeError:
+        # An IterableDataset: its length is unknown before iterating.
         return
     if not rows:
         raise EmptyTrainingSet("the training dataset has no rows: check the dataset and its train split.")
 
 
-def largest_inverse_weight(args) -> float:
+def largest_inverse_weight(args: "PrunedDPOConfig") -> float:
     """The largest weight the configured sampling gives a token's contribution to the gradient (Eqs. 1-3)."""
     # "auto" picks from its grid (auto.py): its smallest value bounds the weight
     position = min(POSITION_GRID) if args.position_keep_prob == AUTO else args.position_keep_prob
@@ -55,7 +63,7 @@ def largest_inverse_weight(args) -> float:
     return weight
 
 
-def pretraining_warnings(args) -> list[str]:
+def pretraining_warnings(args: "PrunedDPOConfig") -> list[str]:
     """One sentence per setting that makes training meaningless or very noisy."""
     found = []
     weight = largest_inverse_weight(args)
@@ -70,7 +78,7 @@ def pretraining_warnings(args) -> list[str]:
     return found
 
 
-def warn_before_training(args) -> None:
+def warn_before_training(args: "PrunedDPOConfig") -> None:
     for message in pretraining_warnings(args):
         warnings.warn(f"trl-pruned-dpo: {message}", UserWarning, stacklevel=3)
 
@@ -79,8 +87,10 @@ class DivergenceGuard:
     """Watches each optimizer step's loss and gradient norm; keeps the worst values seen."""
 
     def __init__(self, factor: float | None = None):
-        self.factor = factor  # `divergence_factor`: None, only non-finite values stop a run
-        self.worst_loss: tuple[int, float] | None = None  # (step, value), the largest |loss|
+        # `divergence_factor`: with None, only non-finite values stop a run.
+        self.factor = factor
+        # The largest |loss|, as (step, value).
+        self.worst_loss: tuple[int, float] | None = None
         self.worst_grad_norm: tuple[int, float] | None = None
         self.nonfinite_steps = 0
         self.zero_grad_steps = 0
@@ -112,8 +122,8 @@ class DivergenceGuard:
         self._record_worst(step, loss, grad_norm)
         return problem
 
-    def _record_worst(self, step, loss, grad_norm):
-        def worse(current, value):
+    def _record_worst(self, step: int, loss: float | None, grad_norm: float | None) -> None:
+        def worse(current: tuple[int, float] | None, value: float | None) -> tuple[int, float] | None:
             if value is None:
                 return current
             if current is None or not math.isfinite(value) or (math.isfinite(current[1]) and abs(value) > current[1]):
@@ -155,32 +165,35 @@ class DivergenceGuard:
             setattr(self, key, tuple(value) if key.startswith("worst") and value is not None else value)
 
 
-def stops_on_divergence(args) -> bool:
+def stops_on_divergence(args: "PrunedDPOConfig") -> bool:
     """`stop_on_divergence`, or when unset: whether the pruned forward is used (pruning off behaves as stock)."""
     value = getattr(args, "stop_on_divergence", None)
     return uses_pruned_forward(args) if value is None else bool(value)
 
 
-def step_values(trainer, loss, grad_norm, stop_requested: bool) -> tuple[float, float | None, bool]:
-    """This optimizer step's loss (mean over processes), gradient norm, and whether any process was asked to stop:
-    one fused vector, one all-reduce when distributed, one device->host read."""
+def step_values(accelerator: Any, world: int, loss: "torch.Tensor", grad_norm: "torch.Tensor | float | None",
+                stop_requested: bool) -> tuple[float, float | None, bool]:
+    """This optimizer step's loss (mean over the `world` processes), gradient norm, and whether any process was asked
+    to stop: one fused vector, one all-reduce (through the trainer's `accelerator`) when distributed, one device->host
+    read."""
     import torch
 
     device = loss.device
     norm = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(
         math.nan if grad_norm is None else float(grad_norm))
-    if hasattr(norm, "full_tensor"):  # FSDP2's clip_grad_norm_ returns the (replicated) total norm as a DTensor
+    # FSDP2's clip_grad_norm_ returns the (replicated) total norm as a DTensor.
+    if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     values = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(device),
                           torch.tensor(float(stop_requested), device=device)])
-    world = trainer.args.world_size
     if world > 1:
-        values = trainer.accelerator.reduce(values, reduction="sum") / world
+        values = accelerator.reduce(values, reduction="sum") / world
     loss_value, norm_value, stop = values.tolist()
     return loss_value, (None if grad_norm is None else norm_value), stop > 0
 
 
-def check_step(trainer, run_state, loss, grad_norm, output_dir: str) -> str | None:
+def check_step(trainer: Any, run_state: Any, loss: "torch.Tensor", grad_norm: "torch.Tensor | float | None",
+               output_dir: str) -> str | None:
     """An optimizer step just ended with `loss` (this process's, summed over its micro-steps): when the guard is on,
     record it in `run_state.divergence_guard`, and when it diverged stop training without checkpointing it (naming
     the last complete checkpoint under `output_dir`); when a stop signal reached any process (safety/signals.py,
@@ -193,9 +206,11 @@ def check_step(trainer, run_state, loss, grad_norm, output_dir: str) -> str | No
     request = run_state.stop_request
     signalled = request is not None and request.signal_number is not None
     if not guard_on and (request is None or args.world_size == 1):
-        return None  # the signal callback decides alone in a single process
-    loss_value, norm, stop = step_values(trainer, loss, grad_norm, signalled)
-    if stop:  # a signal reached some process: all stop here, with a checkpoint of this step
+        # The signal callback decides alone in a single process.
+        return None
+    loss_value, norm, stop = step_values(trainer.accelerator, args.world_size, loss, grad_norm, signalled)
+    # A signal reached some process: all stop here, with a checkpoint of this step.
+    if stop:
         control.should_training_stop = control.should_save = True
     if not guard_on:
         return None

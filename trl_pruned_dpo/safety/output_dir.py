@@ -12,11 +12,15 @@ import os
 import socket
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import OutputDirError
 from . import checkpoints
+
+if TYPE_CHECKING:
+    from ..config import PrunedDPOConfig
 
 LOCK_NAME = ".trl-pruned-dpo.lock"
 
@@ -74,7 +78,7 @@ def check_free(output_dir: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _busy(output_dir, path: Path) -> OutputDirError:
+def _busy(output_dir: str | os.PathLike, path: Path) -> OutputDirError:
     return OutputDirError(f"output_dir {output_dir} is in use by another trl-pruned-dpo run ({_owner(path)}): wait "
                           f"for it to end, or choose another output_dir (two runs would overwrite each other's "
                           "checkpoints).")
@@ -87,7 +91,8 @@ class OutputLock:
         self.output_dir = output_dir
         self.path = Path(output_dir) / LOCK_NAME
         self.fd: int | None = None
-        self.took_over: str | None = None  # the owner named by a stale lock file that was taken over
+        # The owner named by a stale lock file that was taken over.
+        self.took_over: str | None = None
 
     def __enter__(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,10 +124,11 @@ class OutputLock:
         self.fd = fd
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> bool:
         if self.fd is not None:
             try:
-                self.path.unlink(missing_ok=True)  # while still locked: a waiting run then retries on a new file
+                # Unlinked while still locked: a waiting run then retries on a new file.
+                self.path.unlink(missing_ok=True)
             except OSError:
                 pass
             os.close(self.fd)
@@ -135,14 +141,15 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def preflight(training_args) -> None:
+def preflight(training_args: "PrunedDPOConfig") -> None:
     """One-line errors (OutputDirError, ResumeError) before any work: writable, not in use, resumable."""
     check_writable(training_args.output_dir)
-    if is_main_process():  # the other ranks would see their own run's lock
+    # The other ranks would see their own run's lock.
+    if is_main_process():
         check_free(training_args.output_dir)
     checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args)
 
 
-def output_lock(output_dir):
+def output_lock(output_dir: str | os.PathLike) -> AbstractContextManager:
     """`OutputLock(output_dir)` in the main process; nothing in the other ranks of the same run."""
     return OutputLock(output_dir) if is_main_process() else nullcontext()

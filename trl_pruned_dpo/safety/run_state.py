@@ -6,8 +6,14 @@ stop request); read by the guard (guards.check_step), auto.py (the step's loss) 
 """
 
 import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from . import checkpoints, guards
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import PrunedDPOConfig
 
 
 @dataclasses.dataclass
@@ -27,7 +33,7 @@ class RunState:
     # The resumed checkpoint's logging window, until the first micro-step reopens it
     pending_window: dict | None = None
 
-    def begin(self, resume: str | None, args) -> dict | None:
+    def begin(self, resume: str | None, args: "PrunedDPOConfig") -> dict | None:
         """A `train()` starts from `resume` (a checkpoint, or None): its guard and logging window. Returns the run state
         saved with that checkpoint (for auto.py), or None."""
         saved = checkpoints.read_run_state(resume, args.process_index) if resume else None
@@ -42,11 +48,11 @@ class RunState:
         window, self.pending_window = self.pending_window, None
         return window
 
-    def add_loss(self, loss) -> None:
+    def add_loss(self, loss: "torch.Tensor") -> None:
         """A micro-step's loss, summed into the step's (no device read)."""
         self.step_loss = loss.detach() if self.step_loss is None else self.step_loss + loss.detach()
 
-    def end_step(self, trainer, grad_norm, output_dir: str) -> None:
+    def end_step(self, trainer: Any, grad_norm: "torch.Tensor | float | None", output_dir: str) -> None:
         """An optimizer step just ended: check it (guards.check_step) before it is logged or saved."""
         if self.step_loss is None:
             return

@@ -9,22 +9,28 @@ import json
 import os
 import shlex
 import signal
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 from ..errors import PROG
 from . import checkpoints
 from .output_dir import is_main_process
 
-_command: list[str] | None = None  # the command line of this run, for the "resume with" hint
-_COMMAND_ENV = "TRL_PRUNED_DPO_COMMAND"  # the user's command line, for processes started by `accelerate launch`
+# The command line of this run, for the "resume with" hint.
+_command: list[str] | None = None
+# The user's command line, for processes started by `accelerate launch`.
+_COMMAND_ENV = "TRL_PRUNED_DPO_COMMAND"
 
 
 def remember_command(argv: list[str]) -> None:
     """Keep this run's arguments for the "resume with" hint; launched processes get the launching one's (theirs
     lack the accelerate flags)."""
     global _command
-    inherited = os.environ.get(_COMMAND_ENV) if "LOCAL_RANK" in os.environ else None  # started by a launcher
+    # LOCAL_RANK is set when a launcher started this process.
+    inherited = os.environ.get(_COMMAND_ENV) if "LOCAL_RANK" in os.environ else None
     _command = json.loads(inherited) if inherited else list(argv)
     os.environ[_COMMAND_ENV] = json.dumps(_command)
 
@@ -68,20 +74,24 @@ class StopRequest:
         return 0 if self.signal_number is None else 128 + self.signal_number
 
 
-def _stop_callback(request: StopRequest, trainer):
+def _stop_callback(request: StopRequest, accelerator: Any, fused_read: bool) -> Any:
+    """The callback that stops training after the step a signal arrived in. `accelerator`: the trainer's;
+    `fused_read`: the trainer reads the stop flag in its own one read per step (guards.check_step)."""
     import torch
     from transformers import TrainerCallback
 
     class StopOnSignal(TrainerCallback):
         """Turns a caught signal into "stop after this step, and save a checkpoint of it"."""
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             requested = request.signal_number is not None
-            if args.world_size > 1 and getattr(trainer, "reads_stop_signal", False):
-                return control  # the trainer's one fused read per step agrees on it (guards.check_step)
-            if args.world_size > 1:  # every process must stop at the same step, whichever one the signal reached
-                flag = torch.tensor([float(requested)], device=trainer.accelerator.device)
-                requested = bool(trainer.accelerator.reduce(flag, reduction="sum").item() > 0)
+            if args.world_size > 1 and fused_read:
+                # The trainer's one fused read per step agrees on it (guards.check_step).
+                return control
+            # Every process must stop at the same step, whichever one the signal reached.
+            if args.world_size > 1:
+                flag = torch.tensor([float(requested)], device=accelerator.device)
+                requested = bool(accelerator.reduce(flag, reduction="sum").item() > 0)
             if requested:
                 control.should_training_stop = True
                 control.should_save = True
@@ -91,15 +101,16 @@ def _stop_callback(request: StopRequest, trainer):
 
 
 @contextmanager
-def stop_on_signals(trainer):
+def stop_on_signals(trainer: Any) -> Iterator[StopRequest]:
     """Within the block, SIGTERM and SIGINT stop training cleanly at the end of the current step (see module doc)."""
     request = StopRequest()
     previous = {}
 
-    def handler(number, frame):
+    def handler(number: int, frame: FrameType | None) -> None:
         request.signal_number = number
         request.signal_name = signal.Signals(number).name
-        for sig, old in previous.items():  # a second signal acts as it would have without us
+        # A second signal acts as it would have without us.
+        for sig, old in previous.items():
             signal.signal(sig, old)
         if is_main_process():
             print(f"{PROG}: {request.signal_name} received: stopping after this step and saving a checkpoint "
@@ -107,7 +118,7 @@ def stop_on_signals(trainer):
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, handler)
-    callback = _stop_callback(request, trainer)
+    callback = _stop_callback(request, trainer.accelerator, getattr(trainer, "reads_stop_signal", False))
     trainer.add_callback(callback)
     trainer.run_state.stop_request = request
     try:

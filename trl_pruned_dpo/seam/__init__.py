@@ -29,8 +29,10 @@ The tokenizer comes from the public `processing_class` (a processor's `.tokenize
 import contextlib
 import dataclasses
 import inspect
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import trl
@@ -39,7 +41,8 @@ import trl.trainer.utils as trl_utils
 from packaging.version import Version
 from torch.utils._python_dispatch import TorchDispatchMode
 
-TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high)
+# The tested TRL versions, [low, high).
+TESTED_TRL = ("1.16.0", "1.17.0")
 
 if not (Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1])):
     raise ImportError(
@@ -89,10 +92,10 @@ class Replay:
     """Stands in for the model in TRL's `_compute_loss`: returns per-token outputs computed beforehand, so every TRL
     loss, `ld_alpha`, `use_weighting` and every TRL metric run unchanged on the pruned estimates."""
 
-    def __init__(self, aux_loss=None, **per_token):
+    def __init__(self, aux_loss: torch.Tensor | None = None, **per_token: torch.Tensor):
         self.outputs = SimpleNamespace(aux_loss=aux_loss, **per_token)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> SimpleNamespace:
         return self.outputs
 
 
@@ -102,7 +105,7 @@ class Replay:
 PROMOTED_OVERRIDES = {"share_prompt": False}
 
 
-def as_pruned_config(model, args, config_class):
+def as_pruned_config(model: str | torch.nn.Module, args: Any, config_class: type) -> Any:
     """The trainer's config: stock's default when `args` is None, a plain `DPOConfig` promoted with pruning off.
 
     A promoted config is the same settings object (its `__dict__` is shared, nothing re-validated or re-derived),
@@ -110,11 +113,13 @@ def as_pruned_config(model, args, config_class):
     identity: `share_prompt=False`) and the user's own `padding_free`, so swapping only the trainer class changes
     nothing a user passed and runs stock's code.
     """
-    if args is None:  # stock: DPOConfig(f"{model_name}-DPO")
+    # Stock's default: DPOConfig(f"{model_name}-DPO").
+    if args is None:
         model_name = model if isinstance(model, str) else get_config_model_id(model.config)
         return config_class(f"{model_name.split('/')[-1]}-DPO")
     if isinstance(args, config_class) or not isinstance(args, DPOConfig):
-        return args  # anything else is TRL's to accept or reject
+        # Anything else is TRL's to accept or reject.
+        return args
     promoted = config_class.__new__(config_class)
     promoted.__dict__ = args.__dict__
     for f in dataclasses.fields(config_class):
@@ -124,7 +129,7 @@ def as_pruned_config(model, args, config_class):
     return promoted
 
 
-def trl_loss(trainer, model, batch: dict):
+def trl_loss(trainer: DPOTrainer, model: Any, batch: dict) -> torch.Tensor:
     """TRL's private `_compute_loss` with the reference read from the batch: TRL gates its reference forward on
     `trainer.precompute_ref_logps` (reading `ref_chosen_logps`/`ref_rejected_logps` from the batch when set), so the
     flag is set for this call only. Pinned by tests/test_dropin.py::test_replay_seam_assumptions (the reference model
@@ -137,17 +142,17 @@ def trl_loss(trainer, model, batch: dict):
         trainer.precompute_ref_logps = precompute
 
 
-def train_metrics(trainer) -> dict:
+def train_metrics(trainer: DPOTrainer) -> dict:
     """TRL's training metric lists (`_metrics["train"]`: key -> the values since the last log, averaged by `log`)."""
     return trainer._metrics["train"]
 
 
-def run_output_dir(trainer, trial=None) -> str:
+def run_output_dir(trainer: DPOTrainer, trial: Any = None) -> str:
     """The run's output folder, as transformers' `_get_output_dir` names it (a hyperparameter trial's own)."""
     return trainer._get_output_dir(trial=trial)
 
 
-def deepspeed_reference_engine(trainer):
+def deepspeed_reference_engine(trainer: DPOTrainer) -> Any:
     """The policy prepared once for DeepSpeed inference, cached where TRL's own precompute caches it
     (`_precompute_engine`), so both precomputes share one engine."""
     if trainer._precompute_engine is None:
@@ -157,7 +162,7 @@ def deepspeed_reference_engine(trainer):
     return trainer._precompute_engine
 
 
-def no_grad_block(model, gradient_checkpointing_kwargs) -> contextlib.ExitStack:
+def no_grad_block(model: torch.nn.Module, gradient_checkpointing_kwargs: dict | None) -> contextlib.ExitStack:
     """No grad and no gradient checkpointing (nothing to recompute); nested blocks do not toggle it again."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.no_grad())
@@ -165,7 +170,8 @@ def no_grad_block(model, gradient_checkpointing_kwargs) -> contextlib.ExitStack:
     return stack
 
 
-def reference_context(model, unwrapped, ref_model, gradient_checkpointing_kwargs) -> contextlib.ExitStack:
+def reference_context(model: torch.nn.Module, unwrapped: torch.nn.Module, ref_model: torch.nn.Module | None,
+                      gradient_checkpointing_kwargs: dict | None) -> contextlib.ExitStack:
     """A no-grad block, with the policy's adapter disabled when the reference is the PEFT policy without it (or
     TRL's frozen "ref" adapter copy)."""
     from accelerate.utils import is_peft_model
@@ -176,7 +182,7 @@ def reference_context(model, unwrapped, ref_model, gradient_checkpointing_kwargs
     return stack
 
 
-def logging_window(trainer, in_training: bool = True) -> dict:
+def logging_window(trainer: DPOTrainer, in_training: bool = True) -> dict:
     """What the Trainer and TRL have accumulated since the last log (transformers' `_tr_loss` and
     `_globalstep_last_logged`, TRL's `_metrics` and `_total_train_tokens`): restored on resume, so that a resumed run
     logs (and summarises) the same numbers as an uninterrupted one. `in_training`: whether `train()` is running (else
@@ -193,7 +199,7 @@ def logging_window(trainer, in_training: bool = True) -> dict:
     }
 
 
-def restore_logging_window(trainer, window: dict) -> bool:
+def restore_logging_window(trainer: DPOTrainer, window: dict) -> bool:
     """Reopen the window `logging_window` saved (called inside `train()`); whether it was restored."""
     if not window:
         return False
@@ -221,10 +227,11 @@ class _TokenSlicedHead:
     only the order the weight gradient's terms are summed in changes (round-off). Triton devices fold in registers:
     unchanged there."""
 
-    def __init__(self, function):
+    def __init__(self, function: type[torch.autograd.Function]):
         self.function = function
 
-    def apply(self, hidden, weight, bias, targets, temperature, chunk_size, *rest):
+    def apply(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+              temperature: float, chunk_size: int, *rest: Any) -> tuple:
         call = self.function.apply
         tokens = max(1, HEAD_TILE_ELEMENTS // min(weight.shape[0], chunk_size))
         if trl_head_kernel._use_triton(hidden.device) or hidden.shape[0] <= tokens:
@@ -235,7 +242,7 @@ class _TokenSlicedHead:
 
 
 @contextmanager
-def compact_lm_head():
+def compact_lm_head() -> Iterator[None]:
     """Make TRL's fused LM head score only the labelled positions on every device, in slices of bounded memory.
 
     TRL gathers the labelled hidden states before the head only on Triton devices and scores every position
@@ -245,7 +252,8 @@ def compact_lm_head():
     """
     original, function = trl_utils._use_triton, trl_utils._ChunkedLogProbFunction
     trl_utils._use_triton = lambda device: True
-    if not isinstance(function, _TokenSlicedHead):  # a nested block keeps the outer one's
+    # A nested block keeps the outer one's.
+    if not isinstance(function, _TokenSlicedHead):
         trl_utils._ChunkedLogProbFunction = _TokenSlicedHead(function)
     try:
         yield
@@ -260,7 +268,7 @@ class _HeadRows(TorchDispatchMode):
         super().__init__()
         self.vocab, self.rows = vocab, 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == self.vocab:
             self.rows += out.shape[0]
@@ -273,7 +281,8 @@ def head_rows_scored(labels_kept: int = 2, length: int = 8, vocab: int = 37) -> 
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=length)
-    with torch.random.fork_rng(devices=[]):  # the init must not move the caller's global RNG
+    # The init must not move the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(config)
     add_fused_lm_head(model)
     input_ids = torch.arange(1, length + 1).view(1, length)
@@ -307,7 +316,7 @@ def check_compact_lm_head() -> None:
     _COMPACT_HEAD_OK = True
 
 
-def without_tied_keys(model, load_result):
+def without_tied_keys(model: torch.nn.Module, load_result: Any) -> Any:
     """`load_result` (torch's `_IncompatibleKeys`) without the missing keys that are tied to another weight.
 
     transformers' `Trainer._issue_warnings_after_load` (private; checked by tests/test_resume_output.py) warns on
