@@ -93,7 +93,7 @@ def measure(spec: dict, abort=None) -> dict:
     else:
         for _ in range(spec.get("warmup", 1)):
             runner.step()
-    peaks = []
+    peaks, draws = [], []
     if device == "cpu":
         _trim()
         baseline = _status_kb("VmRSS") / 1024
@@ -102,6 +102,7 @@ def measure(spec: dict, abort=None) -> dict:
                 f.write("5")  # reset VmHWM to the current RSS
             runner.step()
             peaks.append(_status_kb("VmHWM") / 1024)
+            draws.append(_draw(trainer))
             _trim()
     else:
         torch.cuda.synchronize()
@@ -111,6 +112,7 @@ def measure(spec: dict, abort=None) -> dict:
             runner.step()
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated() / 2**20)
+            draws.append(_draw(trainer))
     params = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 2**20
     trainable = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad) / 2**20
     return {
@@ -120,10 +122,29 @@ def measure(spec: dict, abort=None) -> dict:
         "peak_mb": max(peaks),
         "working_mb": max(peaks) - baseline,
         "working_mb_steps": [p - baseline for p in peaks],
+        # The draw of each measured step: the plugin's work fractions of that step (empty for stock).
+        "draws": draws,
+        "max_step": peaks.index(max(peaks)),
         "params_mb": params,
         "trainable_mb": trainable,
         "cpu_s": time.process_time() - started,
     }
+
+
+# The plugin's work fractions of a step (metrics.py), read back after each measured step: which draw it was.
+DRAW_KEYS = ("prune/tokens_executed", "prune/tokens_backpropagated", "prune/positions_scored",
+             "prune/branches_backpropagated")
+
+
+def _draw(trainer) -> dict:
+    """This step's work fractions from TRL's metric lists (outside `train()` the plugin resolves them at once), then
+    the lists emptied (the next step's values are its own)."""
+    metrics = getattr(trainer, "_metrics", {}).get("train", {})
+    draw = {key.removeprefix("prune/"): float(metrics[key][-1]) for key in DRAW_KEYS
+            if metrics.get(key) and isinstance(metrics[key][-1], (int, float))}
+    for values in metrics.values():
+        values.clear()
+    return draw
 
 
 def _serve():
@@ -205,7 +226,20 @@ class MemoryServer:
 
 
 # ------------------------------------------------------------------------------------------ memory against length
-SIDES = {"stock": None, "exact": dict(padding_free=True, share_prompt=True, prune_common_prefix=True)}
+EXACT = dict(padding_free=True, share_prompt=True, prune_common_prefix=True)
+# `--settings`: stock, the exact preset, and on top of it each estimator at 0.5 (`PrunedDPOConfig` fields).
+SETTINGS = {
+    "stock": None,
+    "exact": EXACT,
+    "position": dict(EXACT, position_keep_prob=0.5),
+    "prefix": dict(EXACT, prefix_prune_prob=0.5),
+    "branch": dict(EXACT, branch_keep_prob=0.5, branch_sampling="paired"),
+}
+SETTING_LABELS = {"stock": "stock", "exact": "exact preset", "position": "+ position 0.5", "prefix": "+ prefix 0.5",
+                  "branch": "+ branch 0.5"}
+# The settings whose work is drawn at random each step: their points are measured over `--steps` steps.
+RANDOM_SETTINGS = ("position", "prefix", "branch")
+SIDES = {side: SETTINGS[side] for side in ("stock", "exact")}  # the default sweep
 PROMPT_SHARE = 0.3  # UltraFeedback's median prompt / (prompt + response): 108 / (108 + 258) (workload.LENGTH_MODELS)
 
 
@@ -251,16 +285,21 @@ def crossing(points: dict[int, float], budget_mb: float) -> float | None:
 
 
 def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: int, bisect: int, log,
-          save=lambda rows: None, shape: str = "uniform", lora_r: int = 0) -> list[dict]:
-    """Per side: each length in turn (a point predicted over the budget is skipped, and every longer one), then
-    `bisect` halvings between the longest length that fit and the shortest that did not (multiples of 64).
+          save=lambda rows: None, shape: str = "uniform", lora_r: int = 0, settings=tuple(SIDES), steps: int = 1,
+          checkpointing: bool = True) -> list[dict]:
+    """Per setting (names of SETTINGS): each length in turn (a point predicted over the budget is skipped, and every
+    longer one), then `bisect` halvings between the longest length that fit and the shortest that did not (multiples
+    of 64).
 
     Memory is the trainer's peak RSS over its first training step, after one optimizer step on zero gradients (which
     allocates Adam's moments, as a warm-up step would, at none of its compute), minus the process's RSS before the
-    trainer was built: weights, reference, optimizer state and the step.
+    trainer was built: weights, reference, optimizer state and the step. The estimators (RANDOM_SETTINGS) draw their
+    work each step: their points are the maximum over `steps` measured steps (each step's memory and draw kept).
     """
     rows = []
-    for side, pruning in SIDES.items():
+    for side in settings:
+        pruning = SETTINGS[side]
+        n_steps = steps if side in RANDOM_SETTINGS else 1
         fits, over, points = [], [], {}
 
         def run(length, phase):
@@ -274,8 +313,8 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
                 from dataclasses import asdict
 
                 spec = dict(workload=asdict(w), side="stock" if pruning is None else "pruned", pruning=pruning,
-                            precompute=False, checkpointing=True, device="cpu", warmup="optimizer", steps=1,
-                            threads=1, lora_r=lora_r, cap_mb=budget_mb)
+                            precompute=False, checkpointing=checkpointing, device="cpu", warmup="optimizer",
+                            steps=n_steps, threads=1, lora_r=lora_r, cap_mb=budget_mb)
                 started = time.time()
                 result = server.measure(spec)
                 row.update(wall_s=time.time() - started)
@@ -283,7 +322,9 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
                     peak = result["peak_mb"] - result["rss_start_mb"]
                     row.update(status="fits" if peak <= budget_mb else "over budget", peak_mb=peak,
                                working_mb=result["working_mb"], build_mb=result["build_mb"], cpu_s=result["cpu_s"],
-                               params_mb=result["params_mb"], trainable_mb=result["trainable_mb"])
+                               params_mb=result["params_mb"], trainable_mb=result["trainable_mb"], steps=n_steps,
+                               working_mb_steps=result.get("working_mb_steps"), draws=result.get("draws"),
+                               max_step=result.get("max_step"))
                     points[length] = peak
                     (fits if peak <= budget_mb else over).append(length)
                 elif result.get("over_cap"):
@@ -294,16 +335,18 @@ def sweep(server, *, model: str, lengths: list[int], budget_mb: float, pairs: in
                     row.update(status="failed", error=result.get("error"))
             rows.append(row)
             save(rows)  # a long sweep that is stopped keeps its points
-            log(f"  {side:5s} L={length:5d} {row['status']:24s} peak {row.get('peak_mb', float('nan')):7.0f} MiB "
+            log(f"  {side:8s} L={length:5d} {row['status']:24s} peak {row.get('peak_mb', float('nan')):7.0f} MiB "
                 f"(working {row.get('working_mb', float('nan')):6.0f}; predicted "
-                f"{'-' if pred is None else f'{pred:.0f}'}) {row.get('wall_s', 0):5.0f} s")
+                f"{'-' if pred is None else f'{pred:.0f}'}) {row.get('wall_s', 0):5.0f} s"
+                + (f"; steps {[round(m) for m in row['working_mb_steps']]}" if len(row.get("working_mb_steps") or [])
+                   > 1 else ""))
             return row
 
         for length in sorted(lengths):
             if over:
                 rows.append(dict(side=side, length=length, phase="grid", status="over budget (longer than a point "
                                  "over it)", budget_mb=budget_mb, pairs=pairs))
-                log(f"  {side:5s} L={length:5d} over budget (a shorter length was)")
+                log(f"  {side:8s} L={length:5d} over budget (a shorter length was)")
                 continue
             run(length, "grid")
         for _ in range(bisect):
@@ -363,6 +406,97 @@ def length_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _draw_text(draw: dict) -> str:
+    """A step's draw in words: the fractions of stock's tokens executed and backpropagated, of the response positions
+    scored, of the rows backpropagated."""
+    names = dict(tokens_executed="executed", tokens_backpropagated="backprop", positions_scored="scored",
+                 branches_backpropagated="rows bp")
+    return ", ".join(f"{names[k]} {v:.2f}" for k, v in draw.items() if k in names)
+
+
+def settings_table(rows: list[dict]) -> str:
+    """Markdown: one line per length, a column per setting: the step's working memory (MiB) and its ratio to the exact
+    preset's; then, for the estimators measured over several steps, each step's memory and draw."""
+    settings = list(dict.fromkeys(r["side"] for r in rows if r.get("phase") in ("grid", "bisect")))
+    grid = sorted({r["length"] for r in rows if r.get("phase") in ("grid", "bisect")})
+    by = {(r["side"], r["length"]): r for r in rows if r.get("phase") in ("grid", "bisect")}
+
+    def cell(r, exact):
+        if r is None:
+            return "–"
+        if "working_mb" in r:
+            ratio = (f" ({r['working_mb'] / exact['working_mb']:.2f})" if exact and "working_mb" in exact
+                     and exact["working_mb"] > 0 else "")
+            return f"{r['working_mb']:.0f}{ratio}" + ("" if r["status"] == "fits" else " over")
+        if "stopped_at_mb" in r:
+            return f"over (stopped at {r['stopped_at_mb']:.0f} MiB of peak)"
+        if r.get("predicted_mb") is not None:
+            return f"over (peak predicted {r['predicted_mb']:.0f} MiB)"
+        return r["status"]
+
+    lines = ["| tokens per sequence | " + " | ".join(SETTING_LABELS.get(s, s) for s in settings) + " |",
+             "|---" * (len(settings) + 1) + "|"]
+    for length in grid:
+        exact = by.get(("exact", length))
+        lines.append(f"| {length} | " + " | ".join(cell(by.get((s, length)), exact) for s in settings) + " |")
+    lines += ["", "Working memory of the step (MiB above the RSS just before it; in brackets: / the exact preset's).",
+              "", "| tokens per sequence | " + " | ".join(SETTING_LABELS.get(s, s) for s in settings) + " |",
+              "|---" * (len(settings) + 1) + "|"]
+    for length in grid:
+        cells = []
+        for s in settings:
+            r = by.get((s, length))
+            cells.append(f"{r['peak_mb']:.0f}" if r and "peak_mb" in r else "–")
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    lines += ["", "Peak of the process (MiB above its RSS before the trainer was built: weights, reference, optimizer "
+              "state and the step)."]
+    drawn = [r for r in rows if len(r.get("working_mb_steps") or []) > 1]
+    if drawn:
+        lines += ["", "| setting | tokens per sequence | step: working MiB (draw) | max at |", "|---|---|---|---|"]
+        for r in drawn:
+            draws = r.get("draws") or [{}] * len(r["working_mb_steps"])
+            steps = "; ".join(f"{i + 1}: {m:.0f} ({_draw_text(d)})"
+                              for i, (m, d) in enumerate(zip(r["working_mb_steps"], draws)))
+            lines.append(f"| {SETTING_LABELS.get(r['side'], r['side'])} | {r['length']} | {steps} | "
+                         f"step {r['max_step'] + 1} |")
+        lines += ["", "Each measured step of the estimators: its working memory and its draw (fractions of stock's "
+                  "tokens executed and backpropagated, of the response positions scored, of the rows backpropagated)."]
+    return "\n".join(lines)
+
+
+def plot_settings(rows: list[dict], meta: dict, path: str):
+    """Working memory of the step against length, one line per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"stock": "tab:gray", "exact": "tab:blue", "position": "tab:orange", "prefix": "tab:green",
+              "branch": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for side in dict.fromkeys(r["side"] for r in rows):
+        pts = sorted((r["length"], r["working_mb"]) for r in rows if r["side"] == side and "working_mb" in r)
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=colors.get(side), label=SETTING_LABELS.get(side, side))
+        stops = [(r["length"], r["stopped_at_mb"]) for r in rows if r["side"] == side and "stopped_at_mb" in r]
+        if stops:
+            ax.plot(*zip(*stops), "^", color=colors.get(side), mfc="none", label=f"{side}: stopped over the cap "
+                    "(process peak)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ticks = sorted({r["length"] for r in rows if r.get("phase") == "grid"})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.set_xlabel(f"tokens per sequence ({meta['shape']}; {meta['pairs']} pairs per step)")
+    ax.set_ylabel("working memory of a step (MiB, CPU RSS)")
+    ax.set_title(f"{meta['model_label']}{', LoRA r' + str(meta['lora_r']) if meta.get('lora_r') else ''}: "
+                 f"checkpointing {'on' if meta['checkpointing'] else 'off'}; estimators: max over "
+                 f"{meta.get('steps', 1)} steps", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_lengths(rows: list[dict], meta: dict, path: str):
     import matplotlib
 
@@ -391,12 +525,25 @@ def plot_lengths(rows: list[dict], meta: dict, path: str):
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("tokens per sequence (prompt 30%, 2 responses per pair)")
     ax.set_ylabel("peak memory of a training step (GiB)")
-    ax.set_title(f"Memory against length: {meta['model_label']}, {meta['pairs']} pairs, checkpointing on (CPU RSS)",
+    ax.set_title(f"Memory against length: {meta['model_label']}, {meta['pairs']} pairs, checkpointing "
+                 f"{'on' if meta.get('checkpointing', True) else 'off'} (CPU RSS)",
                  fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with "+dirty" when files differ from it), for the record."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True)
+    except OSError:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
 def main(argv=None):
@@ -411,13 +558,24 @@ def main(argv=None):
     parser.add_argument("--bisect", type=int, default=3, help="halvings toward the longest length that fits")
     parser.add_argument("--lora", type=int, default=0, metavar="R",
                         help="train a LoRA adapter of rank R (the reference: the adapter off) instead of every weight")
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SIDES),
+                        help="stock, exact (the exact preset), and on top of it each estimator at 0.5: position "
+                        "(position_keep_prob), prefix (prefix_prune_prob), branch (branch_keep_prob, paired); the "
+                        "table then gives each setting's working memory and its ratio to the exact preset's")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="measured steps per point of the estimators (their work is drawn each step; the point "
+                        "is the maximum, each step's memory and draw kept); stock and exact measure one")
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                        help="gradient checkpointing off (TRL's default is on)")
     parser.add_argument("--out", help="output folder (default benchmarks/results/memory_length_<model>_cpu)")
     args = parser.parse_args(argv)
+    several = set(args.settings) != set(SIDES)
     from benchmarks.workload import machine_info
 
     budget_mb = (args.budget_gib or (8.0 if args.model else 4.0)) * 1024
     label = os.path.basename(args.model.rstrip("/")).replace("builtin:", "") if args.model else "bench"
-    suffix = ("" if args.shape == "uniform" else f"_{args.shape}") + (f"_lora{args.lora}" if args.lora else "")
+    suffix = (("" if args.shape == "uniform" else f"_{args.shape}") + (f"_lora{args.lora}" if args.lora else "")
+              + ("_settings" if several else "") + ("" if args.checkpointing else "_nockpt"))
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"memory_length_{label}{suffix}_cpu")
 
@@ -427,8 +585,10 @@ def main(argv=None):
     started = time.time()
     meta = dict(model=args.model or "bench model (workload.MODEL_SHAPE, vocab 8192)", model_label=label,
                 pairs=args.pairs, lengths=args.lengths, budget_mb=budget_mb, prompt_share=PROMPT_SHARE,
-                shape=args.shape,
-                checkpointing=True, reference="the adapter off" if args.lora else "live", lora_r=args.lora, threads=1,
+                shape=args.shape, settings=args.settings, settings_fields={k: SETTINGS[k] for k in args.settings},
+                steps=args.steps, commit=_commit(),
+                checkpointing=args.checkpointing, reference="the adapter off" if args.lora else "live",
+                lora_r=args.lora, threads=1,
                 started=time.strftime("%Y-%m-%d %H:%M"),
                 machine=machine_info("cpu", 1))
     os.makedirs(out, exist_ok=True)
@@ -440,11 +600,12 @@ def main(argv=None):
 
     with MemoryServer() as server:
         rows = sweep(server, model=args.model, lengths=args.lengths, budget_mb=budget_mb, pairs=args.pairs,
-                     bisect=args.bisect, log=log, save=save, shape=args.shape, lora_r=args.lora)
+                     bisect=args.bisect, log=log, save=save, shape=args.shape, lora_r=args.lora,
+                     settings=args.settings, steps=args.steps, checkpointing=args.checkpointing)
     save(rows)
-    print(length_table(rows))
+    print(settings_table(rows) if several else length_table(rows))
     try:
-        plot_lengths(rows, meta, os.path.join(out, "memory_length.png"))
+        (plot_settings if several else plot_lengths)(rows, meta, os.path.join(out, "memory_length.png"))
     except ImportError as e:  # matplotlib is a dev extra
         log(f"(no plot: {e})")
     print(f"\nwrote {out}/memory_length.{{json,png}} in {meta['elapsed_s']:.0f}s")
@@ -456,6 +617,7 @@ if __name__ == "__main__":
         _serve()
     elif sys.argv[1:2] == ["--table"]:  # re-print a results file's table: python -m benchmarks.memory --table FILE
         with open(sys.argv[2]) as f:
-            print(length_table(json.load(f)["results"]))
+            results = json.load(f)["results"]
+        print(settings_table(results) if {r["side"] for r in results} - set(SIDES) else length_table(results))
     else:
         main()
