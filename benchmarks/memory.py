@@ -416,10 +416,17 @@ def _draw_text(draw: dict) -> str:
 
 def settings_table(rows: list[dict]) -> str:
     """Markdown: one line per length, a column per setting: the step's working memory (MiB) and its ratio to the exact
-    preset's; then, for the estimators measured over several steps, each step's memory and draw."""
-    settings = list(dict.fromkeys(r["side"] for r in rows if r.get("phase") in ("grid", "bisect")))
-    grid = sorted({r["length"] for r in rows if r.get("phase") in ("grid", "bisect")})
-    by = {(r["side"], r["length"]): r for r in rows if r.get("phase") in ("grid", "bisect")}
+    preset's of the same run; then the process's peak; then, for the estimators measured over several steps, each
+    step's memory and draw. Rows read from several runs carry `run` (`--table`): a setting measured in more than one
+    run gets a column per run, named by it."""
+    measured = [r for r in rows if r.get("phase") in ("grid", "bisect")]
+    columns = list(dict.fromkeys((r["side"], r.get("run")) for r in measured))
+    repeated = {side for side, _ in columns if sum(s == side for s, _ in columns) > 1}
+    grid = sorted({r["length"] for r in measured})
+    by = {(r["side"], r.get("run"), r["length"]): r for r in measured}
+
+    def label(side, run):
+        return SETTING_LABELS.get(side, side) + (f" ({run})" if side in repeated and run else "")
 
     def cell(r, exact):
         if r is None:
@@ -434,38 +441,36 @@ def settings_table(rows: list[dict]) -> str:
             return f"over (peak predicted {r['predicted_mb']:.0f} MiB)"
         return r["status"]
 
-    lines = ["| tokens per sequence | " + " | ".join(SETTING_LABELS.get(s, s) for s in settings) + " |",
-             "|---" * (len(settings) + 1) + "|"]
+    head = ["| tokens per sequence | " + " | ".join(label(*c) for c in columns) + " |",
+            "|---" * (len(columns) + 1) + "|"]
+    lines = list(head)
     for length in grid:
-        exact = by.get(("exact", length))
-        lines.append(f"| {length} | " + " | ".join(cell(by.get((s, length)), exact) for s in settings) + " |")
-    lines += ["", "Working memory of the step (MiB above the RSS just before it; in brackets: / the exact preset's).",
-              "", "| tokens per sequence | " + " | ".join(SETTING_LABELS.get(s, s) for s in settings) + " |",
-              "|---" * (len(settings) + 1) + "|"]
+        cells = [cell(by.get((side, run, length)), by.get(("exact", run, length))) for side, run in columns]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    lines += ["", "Working memory of the step (MiB above the RSS just before it; in brackets: / the exact preset's of "
+              "the same run).", ""] + head
     for length in grid:
-        cells = []
-        for s in settings:
-            r = by.get((s, length))
-            cells.append(f"{r['peak_mb']:.0f}" if r and "peak_mb" in r else "–")
+        cells = [f"{r['peak_mb']:.0f}" if r and "peak_mb" in r else "–"
+                 for r in (by.get((side, run, length)) for side, run in columns)]
         lines.append(f"| {length} | " + " | ".join(cells) + " |")
     lines += ["", "Peak of the process (MiB above its RSS before the trainer was built: weights, reference, optimizer "
               "state and the step)."]
-    drawn = [r for r in rows if len(r.get("working_mb_steps") or []) > 1]
+    drawn = [r for r in measured if len(r.get("working_mb_steps") or []) > 1]
     if drawn:
         lines += ["", "| setting | tokens per sequence | step: working MiB (draw) | max at |", "|---|---|---|---|"]
         for r in drawn:
             draws = r.get("draws") or [{}] * len(r["working_mb_steps"])
             steps = "; ".join(f"{i + 1}: {m:.0f} ({_draw_text(d)})"
                               for i, (m, d) in enumerate(zip(r["working_mb_steps"], draws)))
-            lines.append(f"| {SETTING_LABELS.get(r['side'], r['side'])} | {r['length']} | {steps} | "
-                         f"step {r['max_step'] + 1} |")
+            lines.append(f"| {label(r['side'], r.get('run'))} | {r['length']} | {steps} | step {r['max_step'] + 1} |")
         lines += ["", "Each measured step of the estimators: its working memory and its draw (fractions of stock's "
                   "tokens executed and backpropagated, of the response positions scored, of the rows backpropagated)."]
     return "\n".join(lines)
 
 
 def plot_settings(rows: list[dict], meta: dict, path: str):
-    """Working memory of the step against length, one line per setting."""
+    """Working memory of the step against length, one line per setting (an estimator's point: its largest measured
+    step; dashed, its smallest where that is lower)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -478,6 +483,11 @@ def plot_settings(rows: list[dict], meta: dict, path: str):
         pts = sorted((r["length"], r["working_mb"]) for r in rows if r["side"] == side and "working_mb" in r)
         if pts:
             ax.plot(*zip(*pts), "o-", color=colors.get(side), label=SETTING_LABELS.get(side, side))
+        least = sorted((r["length"], min(r["working_mb_steps"])) for r in rows
+                       if r["side"] == side and len(r.get("working_mb_steps") or []) > 1)
+        if least and any(m < w - 0.02 * w for (_, m), (_, w) in zip(least, pts)):
+            ax.plot(*zip(*least), "o--", color=colors.get(side), mfc="none", lw=1,
+                    label=f"{SETTING_LABELS.get(side, side)}: its smallest step")
         stops = [(r["length"], r["stopped_at_mb"]) for r in rows if r["side"] == side and "stopped_at_mb" in r]
         if stops:
             ax.plot(*zip(*stops), "^", color=colors.get(side), mfc="none", label=f"{side}: stopped over the cap "
@@ -615,9 +625,15 @@ def main(argv=None):
 if __name__ == "__main__":
     if sys.argv[1:] == ["--serve"]:
         _serve()
-    elif sys.argv[1:2] == ["--table"]:  # re-print a results file's table: python -m benchmarks.memory --table FILE
-        with open(sys.argv[2]) as f:
-            results = json.load(f)["results"]
+    elif sys.argv[1:2] == ["--table"]:
+        # Re-print a results file's table (python -m benchmarks.memory --table FILE...): several files' rows in one
+        # table (the settings of runs made apart, e.g. at two commits), each file's settings taken from it.
+        results, paths = [], sys.argv[2:]
+        for path in paths:
+            with open(path) as f:
+                data = json.load(f)
+            run = data["meta"].get("commit") or os.path.basename(os.path.dirname(os.path.abspath(path)))
+            results += [dict(r, run=run) if len(paths) > 1 else r for r in data["results"]]
         print(settings_table(results) if {r["side"] for r in results} - set(SIDES) else length_table(results))
     else:
         main()
