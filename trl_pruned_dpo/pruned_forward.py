@@ -11,7 +11,7 @@ group runs the batch's own rows under the model's own attention.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -71,6 +71,54 @@ class MicroStepRecord:
     aux_loss: torch.Tensor | None = None
 
 
+def _packed_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, torch.dtype, torch.Size]]]:
+    """The host tensors as one byte buffer (each part aligned to 8 bytes, so it can be viewed back as its dtype) and
+    where each lies: (offset, dtype, shape)."""
+    parts = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]
+    offsets, total = [], 0
+    for part in parts:
+        offsets.append(total)
+        total += (part.numel() + 7) // 8 * 8
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    for part, offset in zip(parts, offsets):
+        buffer[offset: offset + part.numel()] = part
+    return buffer, [(offset, t.dtype, t.shape) for t, offset in zip(tensors, offsets)]
+
+
+def _unpacked(buffer: torch.Tensor, layout: list[tuple[int, torch.dtype, torch.Size]]) -> list[torch.Tensor]:
+    """The tensors `_packed_bytes` laid out in `buffer`, as views of it."""
+    out = []
+    for offset, dtype, shape in layout:
+        size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(buffer[offset: offset + size].view(dtype).view(shape))
+    return out
+
+
+def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on `device` in ONE host-to-device copy (a pinned byte buffer on CUDA), as views of it: a plan's
+    metadata costs one copy per micro-step instead of one per tensor. On the host device: the tensors themselves."""
+    if device.type == "cpu" or not tensors:
+        return tensors
+    buffer, layout = _packed_bytes(tensors)
+    return _unpacked(buffer.to(device, non_blocking=True), layout)
+
+
+def plan_on_device(plan: MicroStepPlan, device: torch.device) -> tuple[PruneMasks, list[PackedGroup | None]]:
+    """The plan's masks and its groups (grad, frozen, reference; None where absent) with every host tensor on
+    `device`, all in one copy (`upload`). A group planned once for two forwards is moved once."""
+    groups = [plan.policy.grad, plan.policy.frozen, plan.reference]
+    distinct = list({id(g): g for g in groups if g is not None}.values())
+    mask_names = [f.name for f in fields(plan.masks)]
+    tensors = [getattr(plan.masks, name) for name in mask_names]
+    group_names = [[f.name for f in fields(g) if torch.is_tensor(getattr(g, f.name))] for g in distinct]
+    for group, names in zip(distinct, group_names):
+        tensors += [getattr(group, name) for name in names]
+    moved = iter(upload(tensors, device))
+    masks = PruneMasks(**{name: next(moved) for name in mask_names})
+    on_device = {id(g): replace(g, **{name: next(moved) for name in names}) for g, names in zip(distinct, group_names)}
+    return masks, [on_device[id(g)] if g is not None else None for g in groups]
+
+
 def _padded_inputs(inputs: dict, group: PackedGroup, device: torch.device) -> dict:
     """The group's rows of every per-row or per-token model input of the batch, trimmed to its width."""
     index = group.rows.to(device, non_blocking=True)
@@ -123,16 +171,16 @@ def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: 
     return outputs["log_probs"].float()
 
 
-def reference_estimate(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan, masks: PruneMasks,
-                    inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_estimate(context: ForwardContext, model: torch.nn.Module, group: PackedGroup | None,
+                       masks: PruneMasks, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) sums under the policy's masks (`prune_reference`), or exact sums over every
-    kept position: its per-token log-probs run now under the plan (live) or stored (precomputed), or the stored sums
+    kept position: its per-token log-probs run now as `group` plans them (live) or stored (precomputed), or the stored sums
     where nothing on the reference is pruned. Called in the micro-step's no-grad block: TRL's summing toggles
     gradient checkpointing otherwise."""
     weights = masks.weights if context.prune_reference else masks.exact.float()
     if not context.precomputed_reference:
         reference_model = context.reference if context.reference is not None else model
-        per_token = reference_log_probs(context, reference_model, plan.reference, inputs)
+        per_token = reference_log_probs(context, reference_model, group, inputs)
     elif context.prune_reference or context.prune_common_prefix:
         per_token = inputs[REF_TOKEN_KEY].to(weights.device)
     else:
@@ -144,15 +192,16 @@ def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict
                    plan: MicroStepPlan) -> MicroStepRecord:
     """The pruned forward of the [chosen; rejected] batch `inputs` as `plan` lays it out (module docstring)."""
     wanted = FIELDS + (("log_sum_sq_probs",) if context.use_weighting else ())
-    masks = plan.masks.to(inputs["input_ids"].device)
+    # The plan's host tensors on the device in one copy.
+    masks, (grad, frozen_group, reference_group) = plan_on_device(plan, inputs["input_ids"].device)
     # MoE (padded only): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md).
     router = {"output_router_logits": True} if context.aux_loss_enabled else {}
     with compact_lm_head():
-        per_token, outputs = run_group(model, plan.policy.grad, wanted, inputs, **router)
-        aux_loss = outputs.aux_loss * (1.0 if plan.policy.grad.scored else 0.0) if router else None
+        per_token, outputs = run_group(model, grad, wanted, inputs, **router)
+        aux_loss = outputs.aux_loss * (1.0 if grad.scored else 0.0) if router else None
         with no_grad_block(context.policy, context.checkpointing_kwargs):
-            frozen = run_group(model, plan.policy.frozen, wanted, inputs)[0] if plan.prunes_branches else None
-            reference = reference_estimate(context, model, plan, masks, inputs)
+            frozen = run_group(model, frozen_group, wanted, inputs)[0] if plan.prunes_branches else None
+            reference = reference_estimate(context, model, reference_group, masks, inputs)
     # The groups fill disjoint cells (zero elsewhere); combined outside no_grad.
     if frozen is not None:
         for name in wanted:
