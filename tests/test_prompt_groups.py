@@ -256,6 +256,7 @@ def test_branch_pruning_runs_no_more_tokens_than_exact(seed):
                 plan = plan_policy(host, masks, frozen_group=True, share=share, packed=True)
                 empty = min(plan.grad.scored, plan.frozen.scored) == 0  # a group with no node: its two tokens
                 assert plan.grad.tokens + plan.frozen.tokens == exact + (2 if empty else 0)
+                assert share or (plan.frozen.reads == 0 and plan.grad.keeps is None)  # rows alone share nothing
                 draws["empty" if empty else "same"] += 1
     assert draws["same"] > 3 * draws["empty"]
 

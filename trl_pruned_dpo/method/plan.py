@@ -264,9 +264,10 @@ def plan_split(host: HostBatch, scored: torch.Tensor, backprop: torch.Tensor,
     grad_first, kept_first = _firsts(forest, grad), _firsts(forest, kept)
     reads = int((forest.end - forest.start)[kept].sum())
     grad_group = _pack(host, forest, grad, scored, offset, grad_first)
-    nodes = torch.nonzero(kept).flatten()
-    held = forest.end[nodes] - forest.start[nodes]
-    grad_group.keeps = torch.repeat_interleave(grad_first[nodes] - kept_first[nodes], held) + torch.arange(reads)
+    if reads:  # (rows of their own trees share nothing: padding_free without share_prompt)
+        nodes = torch.nonzero(kept).flatten()
+        held = forest.end[nodes] - forest.start[nodes]
+        grad_group.keeps = torch.repeat_interleave(grad_first[nodes] - kept_first[nodes], held) + torch.arange(reads)
     frozen_group = _pack(host, forest, frozen, scored, offset,
                          torch.where(frozen, reads + _firsts(forest, frozen), kept_first))
     frozen_group.reads = reads
