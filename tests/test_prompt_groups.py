@@ -15,7 +15,7 @@ from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
 from conftest import build_trainer, first_batch
-from test_packed import assert_exact
+from test_packed import EXACT, assert_exact
 from test_share_prompt import (
     PRUNINGS, _host, assert_same_loss_and_grads, assert_shared_estimate_is_unshared, edge_rows, llama, tiny_qwen2,
 )
@@ -182,17 +182,33 @@ CHECKPOINTING = {"off": None, "non-reentrant": {"use_reentrant": False}, "reentr
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 @pytest.mark.parametrize("case", FROZEN_CASES)
 def test_frozen_rows_read_the_grad_forwards_keys(case, checkpointing, tokenizer, tmp_path, monkeypatch):
-    """Branch pruning, packed, one draw of the masks: every per-token output, the frozen rows' included, is the
-    unpruned forward's (every row with grad, each prompt group one tree) to round-off, in as many tokens; the frozen
-    rows' log-probs have a zero gradient; the grad forward keeps each layer's keys once (checkpointing's replay in the
-    backward keeps none) and the frozen forward reads each layer's."""
+    """Branch pruning, packed: pairs, prompt groups, the common prefix, prefix pruning; checkpointing off, non-reentrant
+    and reentrant (its first forward runs under no_grad)."""
     rows, batch, config = FROZEN_CASES[case]
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(rows()), tmp_path,
                             per_device_train_batch_size=batch, max_length=64, branch_keep_prob=0.5, **config)
-    if CHECKPOINTING[checkpointing] is None:
+    assert_frozen_rows_read_the_kept_keys(trainer, batch, CHECKPOINTING[checkpointing], monkeypatch)
+
+
+@pytest.mark.parametrize("build", EXACT, ids=lambda b: b.__name__)
+def test_frozen_rows_read_the_kept_keys_in_every_family(build, tokenizer, tmp_path, monkeypatch):
+    """The families of test_packed.py (QK-norm, partial rotary, sliding windows, soft-capping, learned positions): the
+    keys kept are what each attention receives, after its own position encoding and norms."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(edge_rows()), tmp_path,
+                            model=build(tokenizer), per_device_train_batch_size=8, max_length=48, branch_keep_prob=0.5)
+    assert trainer.forward_choice.packed and trainer.forward_choice.share_prompt
+    assert_frozen_rows_read_the_kept_keys(trainer, 8, CHECKPOINTING["non-reentrant"], monkeypatch)
+
+
+def assert_frozen_rows_read_the_kept_keys(trainer, batch, checkpointing, monkeypatch):
+    """Under one draw of the masks: every per-token output, the frozen rows' included, is the unpruned forward's
+    (every row with grad, each prompt group one tree) to round-off, in as many tokens; the frozen rows' log-probs
+    have a zero gradient; the grad forward keeps the keys of each attention call once (checkpointing's replay in the
+    backward keeps none) and the frozen forward reads them all."""
+    if checkpointing is None:
         trainer.model.gradient_checkpointing_disable()
     else:
-        trainer.model.gradient_checkpointing_enable(CHECKPOINTING[checkpointing])
+        trainer.model.gradient_checkpointing_enable(checkpointing)
     inputs = first_batch(trainer, batch)
     masks = trainer.draw_masks(host_batch(inputs), trainer.args.mask_options(), mask_generator(0, 0, 0, 0))
     kept, read = [], []
@@ -202,15 +218,15 @@ def test_frozen_rows_read_the_grad_forwards_keys(case, checkpointing, tokenizer,
     monkeypatch.setattr(trainer, "draw_masks", lambda *args: masks)
     pruned = trainer.concatenated_forward(trainer.model, inputs).per_token
     tokens = trainer.last_prune_stats["policy_tokens_executed"]
-    layers = trainer.model.config.num_hidden_layers
-    assert kept == [True] * layers and len(read) == layers
+    calls = len(kept)
+    assert calls >= trainer.model.config.num_hidden_layers and all(kept) and len(read) == calls
 
     trainer.model.zero_grad(set_to_none=True)
     frozen = ~masks.backprop
     assert frozen.any() and masks.backprop.any()
     pruned["log_probs"][frozen].sum().backward()
     assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
-    assert not any(kept[layers:]) and (len(kept) > layers) == (checkpointing != "off")  # the replay kept nothing
+    assert not any(kept[calls:]) and (len(kept) > calls) == (checkpointing is not None)  # the replay kept nothing
 
     every = dataclasses.replace(masks, backprop=torch.ones_like(masks.backprop),
                                 branch_scale=torch.ones_like(masks.branch_scale))
