@@ -40,6 +40,7 @@ from .seam import (
     restore_logging_window, run_output_dir, train_metrics, trl_loss, without_tied_keys,
 )
 
+
 def _before_train(trainer: "PrunedDPOTrainer", resume_from_checkpoint: str | bool | None) -> str | None:
     """The run state a `train()` starts from (safety/): the checkpoint to resume (said where it needs a note), the
     guard's, auto's and the logging window's state from it; the checks and warnings of pruned training."""
