@@ -21,7 +21,7 @@ from .method.masks import PruneMasks
 from .method.plan import Layout, MicroStepPlan, PackedGroup, WorkCounts
 from .reference import NON_MODEL_KEYS, REF_TOKEN_KEY
 from .seam import compact_lm_head, no_grad_block, reference_context
-from .seam.attention import PACKING_KWARG, Packing, packed_forward
+from .seam.attention import PACKING_KWARG, Packing, SharedKeys, packed_forward
 
 # TRL's per-token outputs the loss and its metrics read; `log_sum_sq_probs` only with `use_weighting`.
 FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
@@ -135,20 +135,28 @@ def _padded_inputs(inputs: dict, group: PackedGroup, device: torch.device) -> di
 
 
 def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...], inputs: dict,
-              **model_kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
+              shared: SharedKeys | None = None, **model_kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """One forward of a group through TRL's fused LM head (called under the seam's `compact_lm_head`).
 
     Returns ({field: (rows, cols) tensor}, the model outputs): each grid cell holds the output of the position the plan
-    routed to it, 0 (False) where none. `inputs`: the collated batch (a padded group takes its rows from it)."""
+    routed to it, 0 (False) where none. `inputs`: the collated batch (a padded group takes its rows from it). `shared`:
+    branch pruning's keys passed from the grad group to the frozen one (plan.plan_split): the same object for both."""
     device = inputs["input_ids"].device
     to = dict(device=device, non_blocking=True)
     if group.rows is None:
+        keeps = shared.open(group.keeps.to(**to)) if group.keeps is not None else None
         packing = Packing(group.cu_seq_q.to(**to), group.cu_seq_k.to(**to), group.kv_index.to(**to), group.max_q,
-                          group.max_k, *group.bounds)
-        with packed_forward(packing):
-            outputs = model(input_ids=group.input_ids.to(**to), position_ids=group.position_ids.to(**to),
-                            shift_labels=group.shift_labels.to(**to), use_cache=False, fused_lm_head=True,
-                            **{PACKING_KWARG: packing}, **model_kwargs)
+                          group.max_k, *group.bounds, keeps, shared if group.reads else None)
+        try:
+            with packed_forward(packing):
+                outputs = model(input_ids=group.input_ids.to(**to), position_ids=group.position_ids.to(**to),
+                                shift_labels=group.shift_labels.to(**to), use_cache=False, fused_lm_head=True,
+                                **{PACKING_KWARG: packing}, **model_kwargs)
+        finally:  # kept once per forward (checkpointing's replay keeps nothing), freed once read
+            if keeps is not None:
+                keeps.close()
+            if group.reads:
+                shared.release()
     else:
         outputs = model(**_padded_inputs(inputs, group, device), shift_labels=group.shift_labels.to(**to),
                         use_cache=False, fused_lm_head=True, **model_kwargs)
@@ -196,11 +204,13 @@ def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict
     masks, (grad, frozen_group, reference_group) = plan_on_device(plan, inputs["input_ids"].device)
     # MoE (padded only): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md).
     router = {"output_router_logits": True} if context.aux_loss_enabled else {}
+    # The frozen rows read their shared part's keys and values from the grad forward (plan.plan_split).
+    shared = SharedKeys()
     with compact_lm_head():
-        per_token, outputs = run_group(model, grad, wanted, inputs, **router)
+        per_token, outputs = run_group(model, grad, wanted, inputs, shared, **router)
         aux_loss = outputs.aux_loss * (1.0 if grad.scored else 0.0) if router else None
         with no_grad_block(context.policy, context.checkpointing_kwargs):
-            frozen = run_group(model, frozen_group, wanted, inputs)[0] if plan.prunes_branches else None
+            frozen = run_group(model, frozen_group, wanted, inputs, shared)[0] if plan.prunes_branches else None
             reference = reference_estimate(context, model, reference_group, masks, inputs)
     # The groups fill disjoint cells (zero elsewhere); combined outside no_grad.
     if frozen is not None:

@@ -40,9 +40,6 @@ from .seam import (
     restore_logging_window, run_output_dir, train_metrics, trl_loss, without_tied_keys,
 )
 
-# Forward + backward (+ recompute) of a token in forward units: docs/method.md's cost model of the plan's split.
-GRAD_COST = {True: 4.0, False: 3.0}
-
 
 def _before_train(trainer: "PrunedDPOTrainer", resume_from_checkpoint: str | bool | None) -> str | None:
     """The run state a `train()` starts from (safety/): the checkpoint to resume (said where it needs a note), the
@@ -230,9 +227,7 @@ class PrunedDPOTrainer(DPOTrainer):
         if not self.precompute_ref_logps:
             reference_scored = masks.scored if self.args.prune_reference else masks.exact
         return plan_micro_step(self._mask_step, options, host, masks, layout,
-                               prunes_branches=prunes_branches,
-                               grad_cost=GRAD_COST[bool(self.args.gradient_checkpointing)],
-                               reference_scored=reference_scored, means=draw.means)
+                               prunes_branches=prunes_branches, reference_scored=reference_scored, means=draw.means)
 
     # ------------------------------------------------------------------------------------------ execute: the forwards
     def concatenated_forward(self, model: torch.nn.Module, inputs: dict) -> MicroStepRecord:
