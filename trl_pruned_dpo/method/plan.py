@@ -214,7 +214,8 @@ def _pack(host: HostBatch, forest: Forest, runs: torch.Tensor, scored: torch.Ten
     at = col - offset[row]
     node = locate(forest.row_key, forest.row_node, forest.distinct[row], at)
     mine = runs[node]
-    row, col, node, at = row[mine], col[mine], node[mine], at[mine]
+    row, col = row[mine], col[mine]
+    node, at = node[mine], at[mine]
     token = first[node] + at - forest.start[node]
     source = torch.full((rows, cols), -1, dtype=torch.long)
     source[row, col] = token

@@ -56,7 +56,8 @@ class SharedKeys:
         self.keeping, self.read = False, 0
 
     def open(self, index: torch.Tensor) -> "SharedKeys":
-        self.index, self.kept, self.keeping, self.read = index, [], True, 0
+        self.index, self.kept = index, []
+        self.keeping, self.read = True, 0
         return self
 
     def close(self) -> None:
@@ -142,7 +143,8 @@ def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant 
     gqa = query.size(1) != key.size(1)
     q0s, k0s = packing.host_q, packing.host_k
     for s in range(len(q0s) - 1):
-        q0, q1, k0, k1 = q0s[s], q0s[s + 1], k0s[s], k0s[s + 1]
+        q0, q1 = q0s[s], q0s[s + 1]
+        k0, k1 = k0s[s], k0s[s + 1]
         lq, lk = q1 - q0, k1 - k0
         q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
         banded = variant.window is not None and variant.window < lk
