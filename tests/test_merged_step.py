@@ -30,7 +30,7 @@ from trl_pruned_dpo.pruned_forward import reference_log_probs
 STEP = dict(max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=4, optim="sgd", learning_rate=1.0,
             max_grad_norm=0.0, lr_scheduler_type="constant")
 WHOLE_STEP = 10**9
-NOTICE = "step_token_budget has no effect"
+NOTICE = "Merged step off (`step_token_budget`)"
 
 
 def ragged_rows(n: int = 8, seed: int = 0) -> list[dict]:

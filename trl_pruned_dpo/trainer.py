@@ -183,8 +183,8 @@ class PrunedDPOTrainer(DPOTrainer):
                                                             self._forward_choice.share_prompt)
             elif self._unmerged_why is not None and not self._said_unmerged:
                 self._said_unmerged = True
-                warnings.warn(f"Each micro-batch runs its own forwards (step_token_budget has no effect): "
-                              f"{self._unmerged_why}.", stacklevel=2)
+                warnings.warn(f"Merged step off (`step_token_budget`): each micro-batch runs its own forwards, as "
+                              f"unmerged: {self._unmerged_why}.", stacklevel=2)
         return batches, num_items_in_batch
 
     def _set_signature_columns_if_needed(self):
