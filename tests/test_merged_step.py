@@ -81,6 +81,12 @@ def test_passes_are_consecutive_runs_within_the_budget():
     assert step.ending_with({"i": 0}) is None  # identity, not equality: a batch of another step runs alone
 
 
+@pytest.mark.parametrize("budget", [-1, True, 2.5, "1000"])
+def test_a_budget_that_is_not_a_token_count_is_refused(tmp_path, budget):
+    with pytest.raises(ValueError, match="step_token_budget"):
+        PrunedDPOConfig(output_dir=str(tmp_path), bf16=False, step_token_budget=budget)
+
+
 def test_concatenated_groups_give_each_group_its_own_log_probs(tokenizer, tmp_path):
     """Two micro-batches' packed reference groups end to end in one forward (`concat_groups`), each grid cut back out
     (`split_grid`): each micro-batch's per-token log-probs are its own forward's."""

@@ -173,8 +173,8 @@ class PrunedDPOTrainer(DPOTrainer):
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: torch.device) -> tuple[list, torch.Tensor | int | None]:
-        """transformers' prefetch of an optimizer step's micro-batches, grouped into the merged step's passes
-        (merged_step.py), or None where the step's micro-batches each run alone."""
+        """transformers' prefetch of an optimizer step's micro-batches, unchanged; grouped here into the merged step's
+        passes (merged_step.py: `_step_passes`, None where each micro-batch runs alone), why not said once."""
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._step_passes = None
         if merged_step.merging_asked(self.args, self._forward_choice):
