@@ -7,7 +7,8 @@ clipping (so the update is minus the accumulated gradient):
   batch statistics (`bco_pair`'s running mean over the micro-batch), and with pruning on (the same masks);
 - the logged metrics are the unmerged run's, key for key;
 - decoder-layer calls (policy and reference) per optimizer step: at the default budget at most half the unmerged
-  ones, with the budget raised to the whole step one policy pass and one reference pass;
+  ones, with the budget raised to the whole step one policy pass and one reference pass, and gradient checkpointing
+  switched off once per pass;
 - each fallback says one line, once, and trains exactly as `step_token_budget=0` (unmerged);
 - a run resumed from a mid-run checkpoint logs and ends as the uninterrupted one.
 """
@@ -47,7 +48,7 @@ def ragged_rows(n: int = 8, seed: int = 0) -> list[dict]:
 
 def one_step(tokenizer, tmp_path, trainer_cls=PrunedDPOTrainer, config_cls=PrunedDPOConfig, rows=None, **config):
     """Train `config` for one optimizer step: (update, {"policy", "reference": passes over the model}, logged entry,
-    the warnings said)."""
+    the warnings said, the times gradient checkpointing was switched off for a no-grad block)."""
     dataset = Dataset.from_list(rows or ragged_rows())
     trainer = build_trainer(trainer_cls, config_cls, tokenizer, dataset, tmp_path, **{**STEP, **config})
     calls = {"policy": 0, "reference": 0}
@@ -55,6 +56,9 @@ def one_step(tokenizer, tmp_path, trainer_cls=PrunedDPOTrainer, config_cls=Prune
     for name, model in models.items():
         for layer in model.model.layers if model is not None else ():
             layer.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    toggles = []
+    disable = trainer.model.gradient_checkpointing_disable
+    trainer.model.gradient_checkpointing_disable = lambda: (toggles.append(1), disable())[1]
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -63,7 +67,7 @@ def one_step(tokenizer, tmp_path, trainer_cls=PrunedDPOTrainer, config_cls=Prune
     layers = len(trainer.model.model.layers)
     passes = {name: count // layers for name, count in calls.items()}
     entry = next(e for e in trainer.state.log_history if "loss" in e)
-    return update, passes, entry, [str(w.message) for w in said if NOTICE in str(w.message)]
+    return update, passes, entry, [str(w.message) for w in said if NOTICE in str(w.message)], len(toggles)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -151,6 +155,8 @@ def test_passes_over_the_model_per_step(runs):
     assert unmerged == {"policy": 4, "reference": 4} == runs["sigmoid", "stock"][1]
     assert default["policy"] + default["reference"] <= (unmerged["policy"] + unmerged["reference"]) / 2
     assert whole == {"policy": 1, "reference": 1}
+    # Gradient checkpointing (on: DPOConfig's default) is switched off once per pass, for its no-grad block.
+    assert runs["sigmoid", "unmerged"][4] == 4 and runs["sigmoid", "whole"][4] == 1
 
 
 @pytest.mark.parametrize("config", [
