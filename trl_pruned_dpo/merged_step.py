@@ -63,12 +63,14 @@ def merging_asked(args: Any, choice: ForwardChoice) -> bool:
 
 
 def _is_lomo(args: Any) -> bool:
+    """Whether the optimizer is LOMO or AdaLomo (transformers passes them the learning rate at each backward)."""
     from transformers.training_args import OptimizerNames
 
     return args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO)
 
 
 def _context_parallel(accelerator: Any) -> bool:
+    """Whether accelerate splits sequences across ranks (its parallelism config's context parallelism)."""
     config = getattr(accelerator, "parallelism_config", None)
     return config is not None and bool(config.cp_enabled)
 
