@@ -275,6 +275,69 @@ def plan_split(host: HostBatch, scored: torch.Tensor, backprop: torch.Tensor,
     return grad_group, frozen_group
 
 
+def unpruned_tokens(host: HostBatch, share: bool) -> int:
+    """The tokens a packed forward of the whole micro-batch runs with nothing pruned (the exact savings only). Pruning
+    only removes tokens, so it bounds the micro-batch's policy forward under any masks, and it is known from the token
+    ids alone, before the masks are drawn (the merged step groups micro-batches by it: `group_passes`)."""
+    scored = host.completion_mask[:, 1:].bool()
+    run = torch.ones(scored.size(0), dtype=torch.bool)
+    return plan_group(host, scored, run, row_trees(host, share), True).tokens
+
+
+def group_passes(tokens: list[int], budget: int) -> list[int]:
+    """How many consecutive micro-batches each pass holds, in order: as many as fit in `budget` tokens (`tokens`: each
+    micro-batch's), a micro-batch over the budget alone. In order because a pass runs in its last micro-batch's
+    training step; greedy, which for consecutive runs under one capacity gives the fewest passes."""
+    sizes, held = [], 0
+    for count in tokens:
+        if sizes and held + count <= budget:
+            sizes[-1] += 1
+            held += count
+        else:
+            sizes.append(1)
+            held = count
+    return sizes
+
+
+def concat_groups(groups: list[PackedGroup]) -> PackedGroup:
+    """One packed forward of several micro-batches' packed groups, laid end to end (the merged step): token ids,
+    positions and labels concatenated; each segment keeps its own keys, its indices shifted by the tokens (and its key
+    offsets by the keys) of the groups before it. `source` stacks the groups' grids, each below the previous one and
+    padded with -1 to the widest, its cells shifted by the tokens before it: `split_grid` cuts each grid back out."""
+    if any(group.rows is not None for group in groups):
+        raise ValueError("concat_groups takes packed groups only (the padded layout runs each micro-batch alone).")
+    if any(group.keeps is not None or group.reads for group in groups):
+        raise ValueError("concat_groups does not take branch pruning's split groups (they run each micro-batch alone).")
+    starts = torch.tensor([0] + [group.tokens for group in groups]).cumsum(0)
+    key_starts = torch.tensor([0] + [int(group.cu_seq_k[-1]) for group in groups]).cumsum(0)
+    cols = max(group.source.size(1) for group in groups)
+    sources = [torch.where(g.source >= 0, g.source + start, -1) for g, start in zip(groups, starts.tolist())]
+    source = torch.cat([F.pad(s, (0, cols - s.size(1)), value=-1) for s in sources])
+    zero = torch.zeros(1, dtype=groups[0].cu_seq_q.dtype)
+    cu_q = torch.cat([zero] + [g.cu_seq_q[1:] + start for g, start in zip(groups, starts.tolist())])
+    cu_k = torch.cat([zero] + [g.cu_seq_k[1:] + start for g, start in zip(groups, key_starts.tolist())])
+    kv_index = torch.cat([g.kv_index + start for g, start in zip(groups, starts.tolist())])
+    return PackedGroup(torch.cat([g.shift_labels for g in groups], dim=1), source, int(starts[-1]),
+                       sum(g.scored for g in groups), torch.cat([g.input_ids for g in groups], dim=1),
+                       torch.cat([g.position_ids for g in groups], dim=1), cu_q, cu_k, kv_index,
+                       max(g.max_q for g in groups), max(g.max_k for g in groups), (cu_q.tolist(), cu_k.tolist()))
+
+
+def split_grid(grid: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each micro-batch's (rows, cols) grid back out of a merged forward's stacked grid (`concat_groups`'s `source`
+    gathered): its rows in order, its own columns."""
+    pieces = grid.split([rows for rows, _ in shapes])
+    return [piece[:, :cols] for piece, (_, cols) in zip(pieces, shapes)]
+
+
+def shared_is_cheaper(shared, frozen_tail, grad_cost: float):
+    """A tree (a pair, a prompt group) with backpropagated and frozen rows: whole in the grad forward, grad_cost *
+    (shared + grad tails + frozen tails), or split, grad_cost * (shared + grad tails) + 1 * (shared + frozen tails)
+    (docs/method.md, "Branch pruning and sharing")? Whole wins iff (grad_cost - 1) * frozen_tails < shared. `shared`:
+    the tokens both halves would run. Ints or per-tree tensors."""
+    return (grad_cost - 1) * frozen_tail < shared
+
+
 def plan_policy(host: HostBatch, masks: PruneMasks, *, frozen_group: bool, share: bool, packed: bool) -> ForwardPlan:
     """The policy forwards; `frozen_group`: branch pruning is on (structural, the same on every process): the
     backpropagated rows run with grad, the others under no_grad. Packed, the two are one forest's nodes

@@ -138,15 +138,18 @@ def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant 
 
     SDPA gets batched 4D inputs (1, H, L, D): only then does it take its fused kernels (on CPU the flash kernel, which
     keeps a logsumexp per query for the backward); 3D ones run the math path, which keeps lq x lk scores and
-    probabilities per head (docs/benchmarks.md, "Where a step's memory goes")."""
-    out = torch.empty_like(query)
+    probabilities per head (docs/benchmarks.md, "Where a step's memory goes").
+
+    Each input is split once and the outputs concatenated once: a slice per segment would make the backward build a
+    zero gradient of the whole row per segment, quadratic in the row's length (a merged step's pass is long)."""
+    outs = []
     gqa = query.size(1) != key.size(1)
     q0s, k0s = packing.host_q, packing.host_k
-    for s in range(len(q0s) - 1):
-        q0, q1 = q0s[s], q0s[s + 1]
-        k0, k1 = k0s[s], k0s[s + 1]
-        lq, lk = q1 - q0, k1 - k0
-        q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
+    queries = query.split([q1 - q0 for q0, q1 in zip(q0s, q0s[1:])])
+    keys, values = (x.split([k1 - k0 for k0, k1 in zip(k0s, k0s[1:])]) for x in (key, value))
+    for q, k, v in zip(queries, keys, values):
+        lq, lk = q.size(0), k.size(0)
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
         banded = variant.window is not None and variant.window < lk
         # no mask where it would outweigh a row's q and output (lk floats against 2·H·D) and the padded rows cost at
         # most half the segment's own scores ((lk - lq)²/2 against lq·lk): long branches behind a moderate prompt
@@ -164,8 +167,8 @@ def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant 
                 o = _sdpa(q, k, v, scaling, gqa, attn_mask=visible)
             else:
                 o = _eager(q, k, v, visible, scaling, variant.softcap, sinks)
-        out[q0:q1] = o.transpose(0, 1)
-    return out
+        outs.append(o.transpose(0, 1).to(query.dtype))
+    return torch.cat(outs)
 
 
 def _sdpa(q, k, v, scaling, gqa, **mask):
