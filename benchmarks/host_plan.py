@@ -65,7 +65,7 @@ def plan_once(batch: HostBatch, share: bool = True) -> None:
     masks = draw_masks(host.input_ids, host.completion_mask, position_keep_prob=1.0, prefix_prune_prob=0.0,
                        prefix_min_ratio=0.5, branch_keep_prob=1.0, branch_sampling="paired", drop_common_prefix=False,
                        generator=mask_generator(0, 0, 0, 0), attention_mask=host.attention_mask)
-    plan_micro_step((0, 0), {}, host, masks, Layout(packed=True, share=share), prunes_branches=False, grad_cost=4.0,
+    plan_micro_step((0, 0), {}, host, masks, Layout(packed=True, share=share), prunes_branches=False,
                     reference_scored=masks.scored)
 
 

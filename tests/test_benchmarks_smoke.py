@@ -347,8 +347,13 @@ def test_memory_breakdown_smoke_run():
 
 
 def test_gpu_check_dry_run(tmp_path):
-    """`benchmarks/gpu_check.py --dry-run`: the GPU script's grid on a tiny CPU model, every row measured, the table
-    and both result files written (what `bash benchmarks/gpu_check.sh` runs on a device)."""
+    """`benchmarks/gpu_check.py --dry-run`: every row kind of the GPU check (stock, the noise floor, defaults, the
+    exact preset, each estimator, prompt groups, gradient accumulation, the largest-micro-batch bisection, the
+    checkpointed and LoRA cells) on a tiny CPU model, none failed or skipped; the exact rows agree with stock (fp32,
+    same batch and weights); the table and both result files written (what `bash benchmarks/gpu_check.sh` runs on a
+    device). Then the profiler counts the dry run cannot reach (CUDA events) on synthetic events."""
+    from benchmarks import gpu_check
+
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--warmup", "1", "--steps", "1", "--out",
@@ -356,7 +361,54 @@ def test_gpu_check_dry_run(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ERROR" not in proc.stdout, proc.stdout[-3000:]
-    rows = json.loads((tmp_path / "gpu_check.json").read_text())["results"]
-    assert rows and not [r for r in rows if "error" in r], rows
-    assert (tmp_path / "gpu_check.txt").read_text().strip()
+    assert "ERROR" not in proc.stdout and "SKIPPED" not in proc.stdout, proc.stdout[-3000:]
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = data["results"]
+    assert rows and not [r for r in rows if r["status"] != "ok"], [r for r in rows if r["status"] != "ok"]
+    assert {r["row"] for r in rows} == set(gpu_check.ROW_KINDS)
+    cells = {r["cell"] for r in rows}
+    assert {"0.5B UF", "0.5B UF k4-all", "0.5B UF 8x4", "0.5B UF max", "3B UF ckpt", "7B LoRA8 UF ckpt"} <= cells
+    for r in rows:
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0, r
+        if r["exact"] and r["row"] != "stock" and "max_pairs" not in r:  # same batch and weights as stock, fp32
+            assert r["loss_diff"] < 1e-4 and r["grad_cos"] > 0.9999 and abs(r["grad_norm_ratio"] - 1) < 1e-3, r
+        if "max_pairs" in r:  # the stand-in cap of a dry run
+            assert r["max_pairs"] == gpu_check.DRY_CAP_PAIRS and not r["bound_only"], r
+        else:  # profiled: the step ranges found, CPU ops counted, no CUDA event on CPU
+            assert r["profiled_steps_found"] == 1 and r["cpu_ops"] > 0 and r["launches"] == 0, r
+    assert {r["accum"] for r in rows} == {1, 4}
+    for key in ("torch", "transformers", "trl", "git", "date"):
+        assert data["meta"][key], key
+    table = (tmp_path / "gpu_check.txt").read_text()
+    for column in ("step s", "tok/s", "GPU s", "launches", "syncs", "peak GiB", "grad cos", "floor cos", "n/a"):
+        assert column in table, column
+
+    from types import SimpleNamespace as Event
+
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+
+    def event(name, device, start, end, kind):
+        return Event(name=name, device_type=device, time_range=Event(start=start, end=end), activity_type=kind)
+
+    events = [  # two steps (0-100, 200-300 us); kernels overlapping over 20-30 us
+        event(gpu_check.STEP_MARK, cpu, 0, 100, "user_annotation"),
+        event(gpu_check.STEP_MARK, cpu, 200, 300, "user_annotation"),
+        event(gpu_check.STEP_MARK, cuda, 0, 110, "gpu_user_annotation"),
+        event("cudaLaunchKernel", cpu, 2, 3, "cuda_runtime"), event("cuLaunchKernelEx", cpu, 210, 211, "cuda_driver"),
+        event("cudaLaunchKernelExC", cpu, 212, 213, "cuda_runtime"),
+        event("cudaMemcpyAsync", cpu, 20, 21, "cuda_runtime"),
+        event("cudaStreamSynchronize", cpu, 21, 25, "cuda_runtime"),  # a .item(): one synchronisation
+        event("cudaDeviceSynchronize", cpu, 150, 160, "cuda_runtime"),  # between the steps: not counted
+        event("cudaMemcpy", cpu, 250, 251, "cuda_runtime"),  # synchronous: counted
+        event("gemm", cuda, 10, 30, "kernel"), event("elementwise", cuda, 20, 40, "kernel"),
+        event("Memcpy DtoH (Device -> Pageable)", cuda, 41, 42, "gpu_memcpy"), event("flash", cuda, 220, 230, "kernel"),
+    ]
+    for typed in (True, False):  # by activity type, and by name where torch gives none
+        if not typed:
+            for e in events:
+                e.activity_type = None
+        counts = gpu_check.count_events(events, 2)
+        assert counts["launches"] == 1.5 and counts["syncs"] == 1.0 and counts["dtoh_copies"] == 0.5, counts
+        assert counts["gpu_busy_s"] == pytest.approx(20e-6) and counts["gpu_kernel_sum_s"] == pytest.approx(25e-6)

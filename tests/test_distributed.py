@@ -11,7 +11,9 @@ start-up is most of the cost) and records, per rank, every mask draw with its ba
   masks; a resumed run continues the stream (same masks, same weights as the uninterrupted run);
 - pruning off, two processes: the same losses, metrics and weights as stock `trl.DPOTrainer` on two processes (every
   pruning and exact saving off: stock's code; `share_prompt` alone; and `PrunedDPOConfig`'s defaults, exact savings on);
-- FSDP2 and ZeRO-3 (parameters really sharded: each rank holds half of them) end every run on DDP's weights.
+- FSDP2 and ZeRO-3 (parameters really sharded: each rank holds half of them) end every run on DDP's weights;
+- the merged step (merged_step.py): under DDP each step's micro-batches run in one pass, all-reduced as often as
+  unmerged (once per step), with the unmerged run's masks, losses and weights; FSDP and DeepSpeed fall back.
 
 On CPU: accelerate runs FSDP only on accelerator devices, so the runner's test-only shim (`allow_fsdp_on_cpu`) lets
 it through (torch's FSDP2 itself works over gloo); DeepSpeed runs with `DS_ACCELERATOR=cpu` and is skipped where it
@@ -39,6 +41,7 @@ SEED = 0  # the runner's `seed`, hence `prune_seed`
 
 PRUNED = {"branch_keep_prob": 0.5, "position_keep_prob": 0.7, "prefix_prune_prob": 0.5}
 ACCUM = {"gradient_accumulation_steps": 2, "max_steps": 4}
+MERGED = {"position_keep_prob": 0.7, "prefix_prune_prob": 0.5, "share_prompt": True, "padding_free": True, **ACCUM}
 AUTO = {"branch_keep_prob": "auto", "gradient_accumulation_steps": 2, "max_steps": 8,
         "gradient_checkpointing_kwargs": {"use_reentrant": True}}
 RUNS = [
@@ -62,6 +65,10 @@ RUNS = [
     {"name": "shared", "config": {**PRUNED, **ACCUM, "share_prompt": True}},
     # padding_free (the packed forward without shared prompts), pruning on
     {"name": "packed", "config": {**PRUNED, "padding_free": True, "max_steps": 2}},
+    # the merged step (merged_step.py): each optimizer step's two micro-batches in one pass under DDP (FSDP and
+    # DeepSpeed fall back, one pass per micro-batch), against its unmerged twin
+    {"name": "merged", "config": {**MERGED, "step_token_budget": 10**9}},
+    {"name": "merged-off", "config": {**MERGED, "step_token_budget": 0}},
     # auto (auto.py): the ranks hold different pairs; norms from the micro-batch vs the accumulated, all-reduced
     # gradient, reentrant checkpointing; a checkpoint mid-run to resume from; and one pair per rank, no accumulation
     {"name": "auto", "config": {**AUTO, "save_strategy": "steps", "save_steps": 4}},
@@ -271,6 +278,28 @@ def test_masks_are_per_rank_and_reproducible(engine_run, name):
         for rank in range(WORLD):
             pairs = [(d, e) for d, e in zip(draws[rank], draws[rank][1:]) if d["step"] == e["step"]]
             assert any(not same(e, redraw(e | {"micro": d["micro"]}, config, rank)) for d, e in pairs)
+
+
+@pytest.mark.slow
+def test_merged_step_equals_unmerged_and_reduces_once_per_step(engine_run):
+    """Under DDP each step's two micro-batches run in one pass (elsewhere one each: the fallback) with the masks drawn
+    unmerged, DDP all-reduces as often as unmerged (once per step: the unmerged run's first micro-step is under
+    `no_sync`), and the losses and weights are the unmerged run's, to round-off."""
+    engine, out = engine_run
+    for rank in range(WORLD):
+        merged, unmerged = report(out, "merged", rank), report(out, "merged-off", rank)
+        assert {d["pass"] for d in merged["draws"]} == ({2} if engine == "ddp" else {1})
+        assert {d["pass"] for d in unmerged["draws"]} == {1}
+        strip = [{k: v for k, v in d.items() if k != "pass"} for d in merged["draws"]]
+        assert strip == [{k: v for k, v in d.items() if k != "pass"} for d in unmerged["draws"]]
+        assert merged["reductions"] == unmerged["reductions"]
+        if engine == "ddp":
+            assert unmerged["reductions"] > 0 and unmerged["reductions"] % CONFIGS["merged"]["max_steps"] == 0
+        for hm, hu in zip(losses(merged["log_history"]), losses(unmerged["log_history"]), strict=True):
+            assert hm["loss"] == pytest.approx(hu["loss"], rel=1e-5), (rank, hm["step"])
+    w_merged, w_unmerged = weights(out, "merged", 0), weights(out, "merged-off", 0)
+    for key in w_merged:
+        torch.testing.assert_close(w_merged[key], w_unmerged[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.mark.slow

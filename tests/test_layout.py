@@ -4,7 +4,7 @@ Read with `ast`, nothing imported; an import inside a function counts like one a
 a circle at run time is still a circle in the design). Layers, bottom to top:
 
     config, errors, notices  <  method/  <  auto, reference, seam/, sampler  <  safety/  <  pruned_forward  <
-    forward_choice, metrics  <  trainer  <  cli/, trl_hook*
+    forward_choice, merged_step, metrics  <  trainer  <  cli/, trl_hook*
 
 demo/ (the offline assets) sits beside the bottom layers and imports none of the package's training code.
 """
@@ -22,7 +22,7 @@ LAYERS = [
     {"auto", "reference", "seam", "sampler"},
     {"safety"},
     {"pruned_forward"},
-    {"forward_choice", "metrics"},
+    {"forward_choice", "merged_step", "metrics"},
     {"trainer"},
     {"cli", "trl_hook", "trl_hook_startup", "__main__"},
 ]

@@ -413,3 +413,33 @@ def test_no_device_reads_in_a_packed_micro_step(tokenizer, tmp_path, monkeypatch
     trainer.train()
     assert trainer.forward_choice.packed and counts[("micro-step", "calls")] == STEPS * ACCUMULATION
     assert counts[("micro-step", "read")] == 0 and counts[("micro-step", "collective")] == 0
+
+
+def test_a_plan_moves_to_the_device_in_one_copy(tokenizer, tmp_path, monkeypatch):
+    """Issue 44: the plan's host tensors (masks, the grad, frozen and reference groups' metadata) cross to the device in
+    one copy of one byte buffer, each viewed back with its own dtype and shape."""
+    from dataclasses import fields
+
+    from trl_pruned_dpo.pruned_forward import _packed_bytes, _unpacked, plan_on_device
+
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(edge_rows() * 2),
+                            tmp_path, per_device_train_batch_size=4, branch_keep_prob=0.5, position_keep_prob=0.5)
+    plan = trainer.plan(first_batch(trainer))
+    assert plan.prunes_branches and plan.reference is not None
+    tensors = [getattr(plan.masks, f.name) for f in fields(plan.masks)]
+    tensors += [value for group in (plan.policy.grad, plan.policy.frozen, plan.reference) for value in
+                (getattr(group, f.name) for f in fields(group)) if torch.is_tensor(value)]
+    assert {t.dtype for t in tensors} >= {torch.bool, torch.float32, torch.int64}
+    back = _unpacked(*_packed_bytes(tensors))
+    assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(tensors, back))
+    copies = []
+    original = torch.Tensor.to
+
+    def counting(self, *args, **kwargs):
+        copies.append(self.numel())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting)
+    masks, groups = plan_on_device(plan, torch.device("meta"))
+    assert len(copies) == 1 and masks.weights.device.type == "meta" and masks.weights.dtype == torch.float32
+    assert all(g.shift_labels.device.type == "meta" for g in groups if g is not None)

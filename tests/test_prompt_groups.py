@@ -1,9 +1,11 @@
 """Prompt groups (issue 37): pairs of a micro-batch that share a prompt run it once, each distinct response once
 (method/tree.py), exactly: stock DPOTrainer's loss and gradients for the loss families, checkpointing off and on; the
 unshared estimate under the same masks with every pruning; the tokens executed are the arithmetic's; branch pruning
-with one response in several pairs stays unbiased."""
+with one response in several pairs stays unbiased; a dropped branch reads its prompt's keys from the grad forward (its
+outputs the unpruned ones, its gradient zero, never more tokens than the unpruned forward)."""
 
 import copy
+import dataclasses
 import os
 from itertools import combinations
 
@@ -13,15 +15,17 @@ from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
 from conftest import build_trainer, first_batch
-from test_packed import assert_exact
+from test_packed import EXACT, assert_exact
 from test_share_prompt import (
-    PRUNINGS, _host, assert_same_loss_and_grads, assert_shared_estimate_is_unshared, llama, tiny_qwen2,
+    PRUNINGS, _host, assert_same_loss_and_grads, assert_shared_estimate_is_unshared, edge_rows, llama, tiny_qwen2,
 )
 from test_unbiased import max_z
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import draw_branches, draw_masks, identical_rows, mask_generator
-from trl_pruned_dpo.method.plan import pair_trees, plan_group, prompt_groups, row_trees
+from trl_pruned_dpo.method.plan import pair_trees, plan_group, plan_policy, prompt_groups, row_trees
+from trl_pruned_dpo.reference import host_batch
 from trl_pruned_dpo.sampler import grouped_order
+from trl_pruned_dpo.seam import attention
 
 # (prompt, responses best first): ragged, near-copies (a shared response start), one response a prefix of another,
 # a one-token answer; every pair of each ("all pairs") or the best against the rest
@@ -164,6 +168,113 @@ def test_branch_gradient_with_repeats_is_unbiased(tokenizer, tmp_path):
     batch = first_batch(trainer, len(rows))
     assert gradient_z(trainer, batch, 300) < 5.0
     assert trainer.last_prune_stats["shared_pairs"] + trainer.last_prune_stats["split_pairs"] == len(rows)
+
+
+FROZEN_CASES = {  # (rows, micro-batch, config): pairs, prompt groups, the common prefix, prefix pruning (rows cut)
+    "pairs": (edge_rows, 8, {}),
+    "groups": (group_rows, BATCH, {}),
+    "groups-common-prefix": (group_rows, BATCH, dict(prune_common_prefix=True)),
+    "groups-prefix-pruning": (group_rows, BATCH, dict(prefix_prune_prob=1.0, prefix_min_ratio=0.2)),
+}
+CHECKPOINTING = {"off": None, "non-reentrant": {"use_reentrant": False}, "reentrant": {"use_reentrant": True}}
+
+
+@pytest.mark.parametrize("checkpointing", CHECKPOINTING)
+@pytest.mark.parametrize("case", FROZEN_CASES)
+def test_frozen_rows_read_the_grad_forwards_keys(case, checkpointing, tokenizer, tmp_path, monkeypatch):
+    """Branch pruning, packed: pairs, prompt groups, the common prefix, prefix pruning; checkpointing off, non-reentrant
+    and reentrant (its first forward runs under no_grad)."""
+    rows, batch, config = FROZEN_CASES[case]
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(rows()), tmp_path,
+                            per_device_train_batch_size=batch, max_length=64, branch_keep_prob=0.5, **config)
+    assert_frozen_rows_read_the_kept_keys(trainer, batch, CHECKPOINTING[checkpointing], monkeypatch)
+
+
+@pytest.mark.parametrize("build", EXACT, ids=lambda b: b.__name__)
+def test_frozen_rows_read_the_kept_keys_in_every_family(build, tokenizer, tmp_path, monkeypatch):
+    """The families of test_packed.py (QK-norm, partial rotary, sliding windows, soft-capping, learned positions): the
+    keys kept are what each attention receives, after its own position encoding and norms."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(edge_rows()), tmp_path,
+                            model=build(tokenizer), per_device_train_batch_size=8, max_length=48, branch_keep_prob=0.5)
+    assert trainer.forward_choice.packed and trainer.forward_choice.share_prompt
+    assert_frozen_rows_read_the_kept_keys(trainer, 8, CHECKPOINTING["non-reentrant"], monkeypatch)
+
+
+def assert_frozen_rows_read_the_kept_keys(trainer, batch, checkpointing, monkeypatch):
+    """Under one draw of the masks: every per-token output, the frozen rows' included, is the unpruned forward's
+    (every row with grad, each prompt group one tree) to round-off, in as many tokens; the frozen rows' log-probs
+    have a zero gradient; the grad forward keeps the keys of each attention call once (checkpointing's replay in the
+    backward keeps none) and the frozen forward reads them all."""
+    if checkpointing is None:
+        trainer.model.gradient_checkpointing_disable()
+    else:
+        trainer.model.gradient_checkpointing_enable(checkpointing)
+    inputs = first_batch(trainer, batch)
+    masks = trainer.draw_masks(host_batch(inputs), trainer.args.mask_options(), mask_generator(0, 0, 0, 0))
+    kept, read = [], []
+    keep, prepend = attention.SharedKeys.keep, attention.SharedKeys.prepend
+    monkeypatch.setattr(attention.SharedKeys, "keep", lambda self, *a: (kept.append(self.keeping), keep(self, *a))[1])
+    monkeypatch.setattr(attention.SharedKeys, "prepend", lambda self, *a: (read.append(1), prepend(self, *a))[1])
+    monkeypatch.setattr(trainer, "draw_masks", lambda *args: masks)
+    pruned = trainer.concatenated_forward(trainer.model, inputs).per_token
+    tokens = trainer.last_prune_stats["policy_tokens_executed"]
+    calls = len(kept)
+    assert calls >= trainer.model.config.num_hidden_layers and all(kept) and len(read) == calls
+
+    trainer.model.zero_grad(set_to_none=True)
+    frozen = ~masks.backprop
+    assert frozen.any() and masks.backprop.any()
+    pruned["log_probs"][frozen].sum().backward()
+    assert all(p.grad is None or not p.grad.any() for p in trainer.model.parameters())
+    assert not any(kept[calls:]) and (len(kept) > calls) == (checkpointing is not None)  # the replay kept nothing
+
+    every = dataclasses.replace(masks, backprop=torch.ones_like(masks.backprop),
+                                branch_scale=torch.ones_like(masks.branch_scale))
+    monkeypatch.setattr(trainer, "draw_masks", lambda *args: every)
+    trainer.args.branch_keep_prob = 1.0
+    with torch.no_grad():
+        full = trainer.concatenated_forward(trainer.model, inputs).per_token
+    for field in ("log_probs", "entropy", "mean_logits"):
+        torch.testing.assert_close(pruned[field].detach(), full[field], rtol=1e-5, atol=1e-5, msg=field)
+    assert torch.equal(pruned["is_top1"], full["is_top1"])
+    assert tokens == trainer.last_prune_stats["policy_tokens_executed"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_branch_pruning_runs_no_more_tokens_than_exact(seed):
+    """Random prompt groups (responses sharing starts, repeating, ending inside each other) and random draws (branch
+    0.5 paired and independent, 0.3 and 0.8; prefix and position pruning; the common prefix), shared and padding-free:
+    the two policy groups run exactly the unpruned forward's tokens. Only a draw that leaves one group nothing to run
+    (every response backpropagated, or none, or the frozen ones inside the kept ones) costs two tokens more: the empty
+    group still runs two, as every process runs the same modules."""
+    from benchmarks.host_plan import host_batch
+
+    g = torch.Generator().manual_seed(seed)
+    draws = dict(same=0, empty=0)
+    for batch in range(6):
+        rows = []
+        for group in range(int(torch.randint(1, 5, (1,), generator=g))):
+            prompt = torch.randint(3, 6, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+            answers = [torch.randint(3, 6, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+                       for _ in range(int(torch.randint(2, 5, (1,), generator=g)))]
+            rows += [(prompt, answers[a], answers[b]) for a, b in combinations(range(len(answers)), 2)]
+        host = host_batch(rows)
+        for step, (p, sampling, prefix, position) in enumerate(
+                [(0.5, "paired", 0.0, 1.0), (0.5, "independent", 0.0, 1.0), (0.3, "paired", 0.7, 1.0),
+                 (0.8, "independent", 0.5, 0.6), (0.5, "paired", 1.0, 0.5)]):
+            masks = draw_masks(host.input_ids, host.completion_mask, position_keep_prob=position,
+                               prefix_prune_prob=prefix, prefix_min_ratio=0.3, branch_keep_prob=p,
+                               branch_sampling=sampling, drop_common_prefix=bool(step % 2),
+                               generator=mask_generator(seed, batch, step, 0), attention_mask=host.attention_mask)
+            every = dataclasses.replace(masks, backprop=torch.ones_like(masks.backprop))
+            for share in (True, False):
+                exact = plan_policy(host, every, frozen_group=False, share=share, packed=True).grad.tokens
+                plan = plan_policy(host, masks, frozen_group=True, share=share, packed=True)
+                empty = min(plan.grad.scored, plan.frozen.scored) == 0  # a group with no node: its two tokens
+                assert plan.grad.tokens + plan.frozen.tokens == exact + (2 if empty else 0)
+                assert share or (plan.frozen.reads == 0 and plan.grad.keeps is None)  # rows alone share nothing
+                draws["empty" if empty else "same"] += 1
+    assert draws["same"] > 3 * draws["empty"]
 
 
 def test_a_lone_pair_plans_as_before(tokenizer):

@@ -1,6 +1,7 @@
 """`share_prompt=True` is exact: the packed [shared | chosen | rejected] forward gives the unshared forward's (and stock
 TRL's) loss, gradients and metrics; stacked with the prunings it gives the unshared pruned estimate under the same
-masks. Plus the plan's layout, the cost model's choice, the fallback, and the micro-step's syncs and toggles."""
+masks. Plus the plan's layout, branch pruning's two groups (a dropped branch reads its shared part's keys), the
+fallback, and the micro-step's syncs and toggles."""
 
 import copy
 import warnings
@@ -20,7 +21,7 @@ from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import PruneMasks
 from trl_pruned_dpo.seam.attention import PACKED
 from trl_pruned_dpo.method.plan import (
-    HostBatch, common_tokens, pair_trees, plan_group, plan_policy, shared_is_cheaper,
+    HostBatch, common_tokens, pair_trees, plan_group, plan_policy,
 )
 
 # `share_prompt` alone (`padding_free`, also on by default, off); "unshared" below is `SAVINGS_OFF`, both off.
@@ -191,20 +192,34 @@ def test_plan_layout(tokenizer):
     assert (group.max_q, group.max_k) == (5, 6)
 
 
-def test_cost_model_picks_cheaper_execution(tokenizer):
-    """One branch backpropagated: share when the shared part outweighs (grad_cost - 1) x the frozen tail."""
-    assert shared_is_cheaper(shared=90, frozen_tail=10, grad_cost=4.0)
-    assert not shared_is_cheaper(shared=10, frozen_tail=90, grad_cost=4.0)
-    long_prompt = _host([("p" * 60, "abcdefgh", "zyxwvuts")], tokenizer)
-    long_answer = _host([("p", "a" * 60, "b" * 60)], tokenizer)
-    for host, expect_shared in ((long_prompt, True), (long_answer, False)):
-        scored = host.completion_mask[:, 1:].bool()
-        masks = PruneMasks(scored, scored.float(), torch.zeros(2, dtype=torch.long), torch.tensor([True, False]),
-                           torch.tensor([2.0, 0.0]), scored)
-        plan = plan_policy(host, masks, frozen_group=True, grad_cost=4.0, share=True, packed=True)
-        assert (plan.shared_pairs, plan.split_pairs) == ((1, 0) if expect_shared else (0, 1))
-        grad_rows_routed = (plan.grad.source >= 0).any(dim=1).tolist()
-        assert grad_rows_routed == ([True, True] if expect_shared else [True, False])
+def test_a_frozen_branch_reads_its_shared_part(tokenizer):
+    """Branch pruning, worked by hand: pair 0 ('wxyz' + 'abc' / 'abd', s = 6) backpropagates its chosen row, pair 1
+    ('pq' + 'a' / 'bcdef', s = 2) its rejected one. The grad group runs each pair's shared part and its backpropagated
+    branch; the frozen group runs only the other branch's tail, its keys the shared part's, kept from the grad forward
+    (never run again): the tokens of the unpruned forward, 14."""
+    host = _host([("wxyz", "abc", "abd"), ("pq", "a", "bcdef")], tokenizer)
+    scored = host.completion_mask[:, 1:].bool()
+    backprop = torch.tensor([True, False, False, True])  # rows [chosen 0, chosen 1, rejected 0, rejected 1]
+    masks = PruneMasks(scored, scored.float(), torch.zeros(4, dtype=torch.long), backprop, 2.0 * backprop, scored)
+    plan = plan_policy(host, masks, frozen_group=True, share=True, packed=True)
+    grad, frozen = plan.grad, plan.frozen
+    whole = plan_group(host, scored, torch.ones(4, dtype=torch.bool), pair_trees(torch.ones(2, dtype=torch.bool)),
+                       packed=True)
+    assert (grad.tokens, frozen.tokens, whole.tokens) == (6 + 6, 1 + 1, 14)
+    # grad row: pair 0 shared [0..4] + chosen [5]; pair 1 shared [0] + rejected [1..5]
+    assert grad.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
+    assert grad.keeps.tolist() == [0, 1, 2, 3, 4, 6]  # the shared parts, which the frozen branches read
+    # frozen row: pair 0's rejected position 5, pair 1's chosen position 1; keys [kept (6) ; own (2)]
+    assert frozen.position_ids[0].tolist() == [5, 1] and frozen.reads == 6
+    assert frozen.cu_seq_q.tolist() == [0, 1, 2] and frozen.cu_seq_k.tolist() == [0, 6, 8]
+    assert frozen.kv_index.tolist() == [0, 1, 2, 3, 4, 6, 5, 7]
+    assert (frozen.max_q, frozen.max_k) == (1, 6)
+    # every scored cell is routed once: a frozen row's response start, shared with its backpropagated partner, reads the
+    # grad group's output (its gradient is scaled by z = 0, Eq. 3), the rest of it the frozen group's
+    assert not bool(((grad.source >= 0) & (frozen.source >= 0)).any())
+    assert torch.equal((grad.source >= 0) | (frozen.source >= 0), scored)
+    assert grad.source[2, 3:5].tolist() == [3, 4] and frozen.source[2, 5] == 0 and frozen.source[1, 1] == 1
+    assert (plan.shared_pairs, plan.split_pairs) == (2, 0)
 
 
 def test_unsupported_model_falls_back_with_one_warning(tokenizer, dataset, tmp_path):

@@ -54,9 +54,8 @@ def max_z(samples, exact):
 @pytest.fixture()
 def make(tokenizer, dataset, tmp_path):
     def make(**pruning):
-        # the padded layout (the exact savings, on by default, off): with shared prompts the cost model may run both
-        # branches of every pair with grad, so branch pruning (and its negative control) would have nothing to drop;
-        # the packed layout gives the same estimate under the same masks (test_share_prompt.py)
+        # the padded layout (the exact savings, on by default, off) unless asked: the packed layout gives the same
+        # estimate under the same masks (test_share_prompt.py); the branch gradient is checked on both
         trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path,
                                 **{**SAVINGS_OFF, **pruning})
         return trainer, first_batch(trainer)
@@ -121,9 +120,16 @@ def gradient_z(trainer, batch, draws):
     return max_z(samples[:, top], exact[top])
 
 
+PACKED = dict(share_prompt=True, padding_free=True)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("sampling", ["paired", "independent"])
-def test_branch_gradient_is_unbiased(make, sampling):
-    trainer, batch = make(branch_keep_prob=0.5, branch_sampling=sampling)
+def test_branch_gradient_is_unbiased(make, sampling, layout):
+    """Packed, a dropped branch runs under no_grad only what the kept one does not, reading the shared prompt's keys
+    from the grad forward (plan.plan_split); its cells in the shared part read the grad forward's outputs."""
+    trainer, batch = make(branch_keep_prob=0.5, branch_sampling=sampling, **(PACKED if layout == "packed" else {}))
+    assert trainer.forward_choice.packed == (layout == "packed")
     assert gradient_z(trainer, batch, GRADIENT_DRAWS) < 5.0  # 300 coordinates
 
 

@@ -115,6 +115,18 @@ class PrunedDPOConfig(DPOConfig):
             prompt (k sampled responses, rankings binarised into pairs) most of a step's tokens. It changes which
             pairs share a batch (not which pairs an epoch sees). Off, pairs that happen to share a prompt within a
             batch still share it.
+        step_token_budget (`int`, *optional*):
+            The merged step: with gradient accumulation, the micro-batches of one optimizer step run in as few packed
+            passes (one policy forward, one reference forward each) as this many policy tokens per pass allow, instead
+            of one pass per micro-batch; TRL's loss and metrics are still computed per micro-batch, so the update
+            equals the unmerged one (to round-off). On a GPU a step is bound by kernel launches, which scale with
+            forwards, not tokens. Unset (the default): stock's padded tokens of the step's widest micro-batch (rows x
+            width of its collated `input_ids`): the plugin's activation memory per executed token is about stock's, so
+            a pass of at most that many tokens keeps the peak at or below stock's. A micro-batch counts the tokens its
+            packed forward runs with nothing pruned (pruning only removes tokens). Raise it to merge more (a large
+            value: the whole step in one pass); `0`: off (one pass per micro-batch). Falls back, saying why once, where
+            merging is not exact or not supported (the padded layout, branch pruning, "auto", DeepSpeed, FSDP,
+            docs/method.md, "Merged steps").
         prune_seed (`int`, *optional*):
             Seed of the mask generator (an integer). Defaults to `seed`. Masks are a function of (prune_seed, global step,
             micro-step, process rank) only; they never draw from the global RNG.
@@ -196,6 +208,13 @@ class PrunedDPOConfig(DPOConfig):
                   "larger than a batch), so that a prompt runs once per batch and each distinct response once "
                   "(docs/prompt_groups.md). Changes which pairs share a batch."},
     )
+    step_token_budget: int | None = field(
+        default=None,
+        metadata={"help": "Policy tokens per packed pass when the micro-batches of an optimizer step are merged (one "
+                  "policy and one reference forward per pass; losses still per micro-batch). Unset: stock's padded "
+                  "tokens of the step's widest micro-batch (peak at or below stock's); larger merges more; 0: off "
+                  "(docs/method.md, 'Merged steps')."},
+    )
     prune_seed: int | None = field(
         default=None,
         metadata={"help": "Seed of the mask generator (defaults to `seed`)."},
@@ -255,6 +274,7 @@ class PrunedDPOConfig(DPOConfig):
             super().__post_init__()
         self._validate_pruning()
         self._validate_prune_seed()
+        self._validate_step_token_budget()
         if self.divergence_factor is not None and not self.divergence_factor > 1:
             raise ValueError(f"`divergence_factor` must be above 1 (or unset), got {self.divergence_factor}.")
         if self.prune_log_level not in PRUNE_LOG_LEVELS:
@@ -278,6 +298,12 @@ class PrunedDPOConfig(DPOConfig):
         # The CLI's parser already insists on an int; a Python caller gets the same check (bool is an int: refuse it).
         if self.prune_seed is not None and (isinstance(self.prune_seed, bool) or not isinstance(self.prune_seed, int)):
             raise TypeError(f"`prune_seed` must be an integer or None, got {self.prune_seed!r}.")
+
+    def _validate_step_token_budget(self):
+        budget = self.step_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"`step_token_budget` must be a number of tokens >= 0 (0: one pass per micro-batch) or "
+                             f"unset (stock's padded tokens of a micro-batch), got {budget!r}.")
 
     def _validate_pruning(self):
         def in_range(name: str, low: float, high: float, low_open: bool) -> None:

@@ -5,23 +5,25 @@ the host from token ids) and returns a `MicroStepRecord`: the policy's per-token
 that their row sums are unbiased for the full sums (Eqs. 1-2, with the straight-through branch scaling of Eq. 3 on the
 log-probs), the reference's per-branch sums under the same masks, the backpropagated rows' MoE router loss and the
 plan's counts. The backpropagated forward runs first, then every no-grad forward (frozen branches, reference) in one
-block, so gradient checkpointing is toggled at most once per micro-step. No decisions and no host-device syncs here:
+block, so gradient checkpointing is toggled at most once per micro-step. `run_pass` runs several micro-steps of one
+optimizer step (each its own plan) in one policy forward and one reference forward, and returns one record each (the
+merged step, docs/method.md). No decisions and no host-device syncs here:
 a packed group runs as one row whose metadata is a model kwarg of the packed attention (seam/attention.py); a padded
 group runs the batch's own rows under the model's own attention.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
 from .method.estimators import horvitz_thompson, scale_branch_gradient
 from .method.masks import PruneMasks
-from .method.plan import Layout, MicroStepPlan, PackedGroup, WorkCounts
+from .method.plan import Layout, MicroStepPlan, PackedGroup, WorkCounts, concat_groups, split_grid
 from .reference import NON_MODEL_KEYS, REF_TOKEN_KEY
 from .seam import compact_lm_head, no_grad_block, reference_context
-from .seam.attention import PACKING_KWARG, Packing, packed_forward
+from .seam.attention import PACKING_KWARG, Packing, SharedKeys, packed_forward
 
 # TRL's per-token outputs the loss and its metrics read; `log_sum_sq_probs` only with `use_weighting`.
 FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
@@ -71,6 +73,60 @@ class MicroStepRecord:
     aux_loss: torch.Tensor | None = None
 
 
+def _packed_bytes(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, torch.dtype, torch.Size]]]:
+    """The host tensors as one byte buffer (each part aligned to 8 bytes, so it can be viewed back as its dtype) and
+    where each lies: (offset, dtype, shape)."""
+    parts = [t.contiguous().view(-1).view(torch.uint8) for t in tensors]
+    offsets, total = [], 0
+    for part in parts:
+        offsets.append(total)
+        total += (part.numel() + 7) // 8 * 8
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    for part, offset in zip(parts, offsets):
+        buffer[offset: offset + part.numel()] = part
+    return buffer, [(offset, t.dtype, t.shape) for t, offset in zip(tensors, offsets)]
+
+
+def _unpacked(buffer: torch.Tensor, layout: list[tuple[int, torch.dtype, torch.Size]]) -> list[torch.Tensor]:
+    """The tensors `_packed_bytes` laid out in `buffer`, as views of it."""
+    out = []
+    for offset, dtype, shape in layout:
+        size = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(buffer[offset: offset + size].view(dtype).view(shape))
+    return out
+
+
+def upload(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on `device` in ONE host-to-device copy (a pinned byte buffer on CUDA), as views of it: a plan's
+    metadata costs one copy per micro-step instead of one per tensor. On the host device: the tensors themselves."""
+    if device.type == "cpu" or not tensors:
+        return tensors
+    buffer, layout = _packed_bytes(tensors)
+    return _unpacked(buffer.to(device, non_blocking=True), layout)
+
+
+def to_device(masks: list[PruneMasks], groups: list[PackedGroup | None],
+              device: torch.device) -> tuple[list[PruneMasks], list[PackedGroup | None]]:
+    """`masks` and `groups` (None where absent) with every host tensor on `device`, all in one copy (`upload`). A
+    group planned once for two forwards is moved once."""
+    distinct = list({id(g): g for g in groups if g is not None}.values())
+    mask_names = [f.name for f in fields(PruneMasks)]
+    tensors = [getattr(m, name) for m in masks for name in mask_names]
+    group_names = [[f.name for f in fields(g) if torch.is_tensor(getattr(g, f.name))] for g in distinct]
+    for group, names in zip(distinct, group_names):
+        tensors += [getattr(group, name) for name in names]
+    moved = iter(upload(tensors, device))
+    on_device_masks = [PruneMasks(**{name: next(moved) for name in mask_names}) for _ in masks]
+    on_device = {id(g): replace(g, **{name: next(moved) for name in names}) for g, names in zip(distinct, group_names)}
+    return on_device_masks, [on_device[id(g)] if g is not None else None for g in groups]
+
+
+def plan_on_device(plan: MicroStepPlan, device: torch.device) -> tuple[PruneMasks, list[PackedGroup | None]]:
+    """A micro-step's masks and groups (grad, frozen, reference; None where absent) on `device` in one copy."""
+    masks, groups = to_device([plan.masks], [plan.policy.grad, plan.policy.frozen, plan.reference], device)
+    return masks[0], groups
+
+
 def _padded_inputs(inputs: dict, group: PackedGroup, device: torch.device) -> dict:
     """The group's rows of every per-row or per-token model input of the batch, trimmed to its width."""
     index = group.rows.to(device, non_blocking=True)
@@ -87,20 +143,28 @@ def _padded_inputs(inputs: dict, group: PackedGroup, device: torch.device) -> di
 
 
 def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...], inputs: dict,
-              **model_kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
+              shared: SharedKeys | None = None, **model_kwargs: Any) -> tuple[dict[str, torch.Tensor], Any]:
     """One forward of a group through TRL's fused LM head (called under the seam's `compact_lm_head`).
 
     Returns ({field: (rows, cols) tensor}, the model outputs): each grid cell holds the output of the position the plan
-    routed to it, 0 (False) where none. `inputs`: the collated batch (a padded group takes its rows from it)."""
+    routed to it, 0 (False) where none. `inputs`: the collated batch (a padded group takes its rows from it). `shared`:
+    branch pruning's keys passed from the grad group to the frozen one (plan.plan_split): the same object for both."""
     device = inputs["input_ids"].device
     to = dict(device=device, non_blocking=True)
     if group.rows is None:
+        keeps = shared.open(group.keeps.to(**to)) if group.keeps is not None else None
         packing = Packing(group.cu_seq_q.to(**to), group.cu_seq_k.to(**to), group.kv_index.to(**to), group.max_q,
-                          group.max_k, *group.bounds)
-        with packed_forward(packing):
-            outputs = model(input_ids=group.input_ids.to(**to), position_ids=group.position_ids.to(**to),
-                            shift_labels=group.shift_labels.to(**to), use_cache=False, fused_lm_head=True,
-                            **{PACKING_KWARG: packing}, **model_kwargs)
+                          group.max_k, *group.bounds, keeps, shared if group.reads else None)
+        try:
+            with packed_forward(packing):
+                outputs = model(input_ids=group.input_ids.to(**to), position_ids=group.position_ids.to(**to),
+                                shift_labels=group.shift_labels.to(**to), use_cache=False, fused_lm_head=True,
+                                **{PACKING_KWARG: packing}, **model_kwargs)
+        finally:  # kept once per forward (checkpointing's replay keeps nothing), freed once read
+            if keeps is not None:
+                keeps.close()
+            if group.reads:
+                shared.release()
     else:
         outputs = model(**_padded_inputs(inputs, group, device), shift_labels=group.shift_labels.to(**to),
                         use_cache=False, fused_lm_head=True, **model_kwargs)
@@ -113,6 +177,16 @@ def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...
     return per_token, outputs
 
 
+def _reference_model(context: ForwardContext, model: torch.nn.Module) -> torch.nn.Module:
+    """The model the reference runs through: TRL's reference model, else the policy (its adapter disabled)."""
+    return context.reference if context.reference is not None else model
+
+
+def _wanted(context: ForwardContext) -> tuple[str, ...]:
+    """The per-token fields the policy's forward returns: TRL's, and the WPO weights' with `use_weighting`."""
+    return FIELDS + (("log_sum_sq_probs",) if context.use_weighting else ())
+
+
 def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: PackedGroup,
                         inputs: dict) -> torch.Tensor:
     """Per-token reference log-probs (rows, cols) of the `group`'s scored positions, 0 elsewhere; never
@@ -123,42 +197,34 @@ def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: 
     return outputs["log_probs"].float()
 
 
-def reference_estimate(context: ForwardContext, model: torch.nn.Module, plan: MicroStepPlan, masks: PruneMasks,
-                    inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_estimate(context: ForwardContext, model: torch.nn.Module, group: PackedGroup | None,
+                       masks: PruneMasks, inputs: dict,
+                       per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) sums under the policy's masks (`prune_reference`), or exact sums over every
-    kept position: its per-token log-probs run now under the plan (live) or stored (precomputed), or the stored sums
-    where nothing on the reference is pruned. Called in the micro-step's no-grad block: TRL's summing toggles
-    gradient checkpointing otherwise."""
+    kept position: its per-token log-probs run now as `group` plans them (live), already run by a merged pass
+    (`per_token`, `run_pass`) or stored (precomputed), or the stored sums where nothing on the reference is pruned.
+    Called in the micro-step's no-grad block: TRL's summing toggles gradient checkpointing otherwise."""
     weights = masks.weights if context.prune_reference else masks.exact.float()
-    if not context.precomputed_reference:
-        reference_model = context.reference if context.reference is not None else model
-        per_token = reference_log_probs(context, reference_model, plan.reference, inputs)
-    elif context.prune_reference or context.prune_common_prefix:
+    if per_token is None and not context.precomputed_reference:
+        per_token = reference_log_probs(context, _reference_model(context, model), group, inputs)
+    elif per_token is None and (context.prune_reference or context.prune_common_prefix):
         per_token = inputs[REF_TOKEN_KEY].to(weights.device)
-    else:
+    elif per_token is None:
         return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
     return context.reference_sums(horvitz_thompson(per_token, weights), inputs)
 
 
-def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict,
-                   plan: MicroStepPlan) -> MicroStepRecord:
-    """The pruned forward of the [chosen; rejected] batch `inputs` as `plan` lays it out (module docstring)."""
-    wanted = FIELDS + (("log_sum_sq_probs",) if context.use_weighting else ())
-    masks = plan.masks.to(inputs["input_ids"].device)
-    # MoE (padded only): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md).
-    router = {"output_router_logits": True} if context.aux_loss_enabled else {}
-    with compact_lm_head():
-        per_token, outputs = run_group(model, plan.policy.grad, wanted, inputs, **router)
-        aux_loss = outputs.aux_loss * (1.0 if plan.policy.grad.scored else 0.0) if router else None
-        with no_grad_block(context.policy, context.checkpointing_kwargs):
-            frozen = run_group(model, plan.policy.frozen, wanted, inputs)[0] if plan.prunes_branches else None
-            reference = reference_estimate(context, model, plan, masks, inputs)
+def _record(plan: MicroStepPlan, masks: PruneMasks, per_token: dict[str, torch.Tensor],
+            frozen: dict[str, torch.Tensor] | None, reference: tuple[torch.Tensor, torch.Tensor],
+            aux_loss: torch.Tensor | None) -> MicroStepRecord:
+    """A micro-step's record from its forwards' grids: the grad and frozen groups combined, the policy's estimates
+    (Eqs. 1-3) made under its masks (on the device)."""
     # The groups fill disjoint cells (zero elsewhere); combined outside no_grad.
     if frozen is not None:
-        for name in wanted:
+        for name in per_token:
             per_token[name] = per_token[name] | frozen[name] if name == "is_top1" else per_token[name] + frozen[name]
     # The policy's estimates (Eqs. 1-3).
-    for name in wanted:
+    for name in per_token:
         if name != "is_top1":
             per_token[name] = horvitz_thompson(per_token[name].float(), masks.weights)
     per_token["is_top1"] = per_token["is_top1"].bool() & masks.scored
@@ -166,3 +232,55 @@ def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict
         per_token["log_probs"] = scale_branch_gradient(per_token["log_probs"], masks.branch_scale)
     return MicroStepRecord(plan.step, plan.options, plan.layout, plan.counts, plan.means, plan.prunes_branches,
                            per_token, reference, masks, aux_loss)
+
+
+def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict,
+                   plan: MicroStepPlan) -> MicroStepRecord:
+    """The pruned forward of the [chosen; rejected] batch `inputs` as `plan` lays it out (module docstring)."""
+    wanted = _wanted(context)
+    # The plan's host tensors on the device in one copy.
+    masks, (grad, frozen_group, reference_group) = plan_on_device(plan, inputs["input_ids"].device)
+    # MoE (padded only): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md).
+    router = {"output_router_logits": True} if context.aux_loss_enabled else {}
+    # The frozen rows read their shared part's keys and values from the grad forward (plan.plan_split).
+    shared = SharedKeys()
+    with compact_lm_head():
+        per_token, outputs = run_group(model, grad, wanted, inputs, shared, **router)
+        aux_loss = outputs.aux_loss * (1.0 if grad.scored else 0.0) if router else None
+        with no_grad_block(context.policy, context.checkpointing_kwargs):
+            frozen = run_group(model, frozen_group, wanted, inputs, shared)[0] if plan.prunes_branches else None
+            reference = reference_estimate(context, model, reference_group, masks, inputs)
+    return _record(plan, masks, per_token, frozen, reference, aux_loss)
+
+
+def run_pass(context: ForwardContext, model: torch.nn.Module, batches: list[dict],
+             plans: list[MicroStepPlan]) -> list[MicroStepRecord]:
+    """Several micro-steps of one optimizer step in one packed policy forward and one reference forward (the merged
+    step, docs/method.md): their groups laid end to end (`concat_groups`), each micro-step's grid cut back out of the
+    outputs (`split_grid`), then its reference estimate and its policy estimates made as `run_micro_step` makes them.
+    Each micro-step keeps its own plan (its masks drawn as unmerged) and its own record, so its loss is TRL's over its
+    own batch. Packed plans without a frozen forward or a router loss only (the trainer runs the others alone)."""
+    if context.aux_loss_enabled or any(plan.prunes_branches or not plan.layout.packed for plan in plans):
+        raise ValueError("run_pass merges packed micro-steps without branch pruning or a router loss only.")
+    wanted = _wanted(context)
+    device = batches[-1]["input_ids"].device
+    shapes = [tuple(plan.policy.grad.source.shape) for plan in plans]
+    live = not context.precomputed_reference
+    # Every micro-step's masks and the pass's two groups on the device in one copy.
+    groups = [concat_groups([plan.policy.grad for plan in plans]),
+              concat_groups([plan.reference for plan in plans]) if live else None]
+    masks, (grad, reference_group) = to_device([plan.masks for plan in plans], groups, device)
+    with compact_lm_head():
+        merged, _ = run_group(model, grad, wanted, batches[-1])
+        # The reference of every micro-step in one no-grad block: checkpointing toggled once per pass.
+        with no_grad_block(context.policy, context.checkpointing_kwargs):
+            stored = [None] * len(plans)
+            if live:
+                per_token = reference_log_probs(context, _reference_model(context, model), reference_group,
+                                                batches[-1])
+                stored = split_grid(per_token, [tuple(plan.reference.source.shape) for plan in plans])
+            references = [reference_estimate(context, model, plan.reference, mask, batch, per_token)
+                          for plan, mask, batch, per_token in zip(plans, masks, batches, stored)]
+    grids = {name: split_grid(merged[name], shapes) for name in wanted}
+    return [_record(plan, mask, {name: grids[name][i] for name in wanted}, None, reference, None)
+            for i, (plan, mask, reference) in enumerate(zip(plans, masks, references))]

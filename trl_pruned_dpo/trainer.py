@@ -12,16 +12,22 @@ forward, then the loss and metrics), in the order of docs/method.md:
   metrics.py then renames what no longer estimates stock's value, and auto.py gets the record's work counts.
 - Evaluation is never pruned: it is TRL's own path. So is training whenever `uses_pruned_forward(args)` is false
   (pruning off): a drop-in by construction (docs/parity.md).
+- With gradient accumulation, the micro-batches of an optimizer step run in as few packed passes as
+  `step_token_budget` allows (merged_step.py): `get_batch_samples` groups them, `training_step` defers a micro-batch
+  to its pass's last one, whose `compute_loss` plans each as unmerged and runs them in one policy and one reference
+  forward (pruned_forward.run_pass), TRL's loss per micro-batch.
 - `auto` keep probabilities (auto.py), per-token reference precompute (reference.py) and run-safety (safety/) are
   called from here; none of them imports the trainer.
 """
 
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from datasets import Dataset, IterableDataset
 
-from . import forward_choice, metrics
+from . import forward_choice, merged_step, metrics
 from .auto import AutoDraw, AutoKeepProbs
 from .config import AUTO, PrunedDPOConfig, uses_pruned_forward
 from .errors import TrainingDiverged
@@ -29,7 +35,7 @@ from .forward_choice import ForwardChoice
 from .method.masks import PruneMasks, draw_masks, mask_generator
 from .method.plan import HostBatch, Layout, MicroStepPlan, plan_micro_step, plan_reference
 from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
-from .pruned_forward import ForwardContext, MicroStepRecord, reference_log_probs, run_micro_step
+from .pruned_forward import ForwardContext, MicroStepRecord, reference_log_probs, run_micro_step, run_pass
 from .reference import HOST_KEY, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator
 from .safety import checkpoints, guards
 from .safety.data_checks import check_training_pairs
@@ -39,9 +45,6 @@ from .seam import (
     DPOTrainer, Replay, as_pruned_config, attention, deepspeed_reference_engine, logging_window,
     restore_logging_window, run_output_dir, train_metrics, trl_loss, without_tied_keys,
 )
-
-# Forward + backward (+ recompute) of a token in forward units: docs/method.md's cost model of the plan's split.
-GRAD_COST = {True: 4.0, False: 3.0}
 
 
 def _before_train(trainer: "PrunedDPOTrainer", resume_from_checkpoint: str | bool | None) -> str | None:
@@ -97,6 +100,10 @@ class PrunedDPOTrainer(DPOTrainer):
         self._context: ForwardContext | None = None
         # (global step, micro-step) of the last draw.
         self._mask_step = (-1, 0)
+        # The merged step (merged_step.py): this optimizer step's passes, and the pass the running micro-batch ends.
+        self._step_passes: merged_step.StepPasses | None = None
+        self._pass: tuple[dict, ...] | None = None
+        self._said_unmerged = False
         with trl_padding_free_notice_hidden(uses_pruned_forward(args) and args.padding_free):
             super().__init__(model, ref_model, args, *pargs, **kwargs)
         self._pending = metrics.PendingMetrics(self.accelerator)
@@ -115,6 +122,9 @@ class PrunedDPOTrainer(DPOTrainer):
             self._auto = AutoKeepProbs(args, policy.config, adapters=is_peft_model(policy))
             # It hooks the gradients of the model as training wraps it (auto.py).
             self.add_callback(self._auto)
+        # Why the micro-batches of a step cannot be merged (None: they can), from what is known once TRL is built.
+        self._unmerged_why = merged_step.why_unmerged(args, self._forward_choice, self.accelerator,
+                                                      self.aux_loss_enabled, self.is_fsdp_enabled)
         # Whether this run can drop a branch at all ("auto" on adapter training never does).
         self._drops_branches = (self._auto is not None and "branch" in self._auto.families) or (
             args.branch_keep_prob != AUTO and args.branch_keep_prob < 1)
@@ -157,6 +167,22 @@ class PrunedDPOTrainer(DPOTrainer):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         sampler = prompt_group_sampler(self.args, dataset, self._train_batch_size)
         return sampler if sampler is not None else super()._get_train_sampler(train_dataset)
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple[list, torch.Tensor | int | None]:
+        """transformers' prefetch of an optimizer step's micro-batches, unchanged; grouped here into the merged step's
+        passes (merged_step.py: `_step_passes`, None where each micro-batch runs alone), why not said once."""
+        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step_passes = None
+        if merged_step.merging_asked(self.args, self._forward_choice):
+            if self._unmerged_why is None and merged_step.merges_this_step(self._forward_choice, batches):
+                self._step_passes = merged_step.step_passes(batches, self.args.step_token_budget,
+                                                            self._forward_choice.share_prompt)
+            elif self._unmerged_why is not None and not self._said_unmerged:
+                self._said_unmerged = True
+                warnings.warn(f"Merged step off (`step_token_budget`): each micro-batch runs its own forwards, as "
+                              f"unmerged: {self._unmerged_why}.", stacklevel=2)
+        return batches, num_items_in_batch
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
@@ -230,9 +256,7 @@ class PrunedDPOTrainer(DPOTrainer):
         if not self.precompute_ref_logps:
             reference_scored = masks.scored if self.args.prune_reference else masks.exact
         return plan_micro_step(self._mask_step, options, host, masks, layout,
-                               prunes_branches=prunes_branches,
-                               grad_cost=GRAD_COST[bool(self.args.gradient_checkpointing)],
-                               reference_scored=reference_scored, means=draw.means)
+                               prunes_branches=prunes_branches, reference_scored=reference_scored, means=draw.means)
 
     # ------------------------------------------------------------------------------------------ execute: the forwards
     def concatenated_forward(self, model: torch.nn.Module, inputs: dict) -> MicroStepRecord:
@@ -245,6 +269,15 @@ class PrunedDPOTrainer(DPOTrainer):
         self.last_micro_step = record
         return record
 
+    def merged_forward(self, model: torch.nn.Module, batches: list[dict]) -> list[MicroStepRecord]:
+        """The pruned forward of a merged pass's micro-batches (merged_step.py), in order: each planned as unmerged
+        (its masks keyed by its own micro-step), all run in one policy and one reference forward
+        (pruned_forward.run_pass). One record per micro-batch; the last is kept as `last_micro_step`."""
+        plans = [self.plan(batch) for batch in batches]
+        records = run_pass(self.forward_context(), model, batches, plans)
+        self.last_micro_step = records[-1]
+        return records
+
     # --------------------------------------------------------------------------------------- estimate: TRL's loss
     def compute_loss(self, model: torch.nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -256,7 +289,16 @@ class PrunedDPOTrainer(DPOTrainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise ValueError("PrunedDPOTrainer does not return model outputs during training (TRL deprecated them).")
-        record = self.concatenated_forward(model, inputs)
+        if self._pass is not None:
+            # A merged pass (merged_step.py): its earlier micro-batches as `training_step` would have prepared them.
+            batches = [self._prepare_inputs(batch) for batch in self._pass[:-1]] + [inputs]
+            records = self.merged_forward(model, batches)
+            # Their sum: transformers scales it by the accumulation steps and backpropagates it once.
+            return torch.stack([self._micro_step_loss(r, b) for r, b in zip(records, batches)]).sum()
+        return self._micro_step_loss(self.concatenated_forward(model, inputs), inputs)
+
+    def _micro_step_loss(self, record: MicroStepRecord, inputs: dict) -> torch.Tensor:
+        """TRL's loss of one micro-batch from its record (TRL's metrics logged by TRL), then the plugin's metrics."""
         batch = {k: v for k, v in inputs.items() if k != REF_TOKEN_KEY}
         batch["ref_chosen_logps"], batch["ref_rejected_logps"] = record.reference
         loss = trl_loss(self, Replay(aux_loss=record.aux_loss, **record.per_token), batch)
@@ -282,6 +324,7 @@ class PrunedDPOTrainer(DPOTrainer):
                 output = super().train(resume, *pargs, **kwargs)
         finally:
             self._pending.deferred = False
+            self._step_passes = None
             # Auto's gradient hooks, also after a `train()` that raised.
             if self._auto is not None:
                 self._auto.detach()
@@ -310,7 +353,15 @@ class PrunedDPOTrainer(DPOTrainer):
         window = self.run_state.take_window()
         if window is not None:
             self.run_state.restored_logging_window = restore_logging_window(self, window)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        members = self._step_passes.ending_with(inputs) if self._step_passes is not None else None
+        # A merged step's micro-batch that does not end its pass runs in its pass, at the pass's last micro-batch.
+        if members == ():
+            return torch.zeros((), device=self.args.device)
+        self._pass = members if members is not None and len(members) > 1 else None
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._pass = None
         self.run_state.add_loss(loss)
         # The backward is done, the gradient not clipped yet.
         if self._auto is not None:

@@ -16,7 +16,7 @@ trainers: the import and start-up cost is paid once). Each run is a dict:
     resume      optional checkpoint folder, relative to DIR, to resume from
 
 Per run and rank it writes DIR/<name>/rank<r>.json (engine, log history, training loss, every mask draw with the
-batch it was drawn for) and DIR/<name>/weights_rank<r>.pt (the trainable parameters after training, gathered in full
+batch it was drawn for, the gradient buckets DDP all-reduced) and DIR/<name>/weights_rank<r>.pt (the trainable parameters after training, gathered in full
 whatever the sharding), plus DIR/<name>/weights_initial.pt (rank 0, before training). Nothing touches a hub.
 
 RUN_PRUNED_FSDP_ON_CPU=1 lets accelerate's FSDP run on CPU (see `allow_fsdp_on_cpu`). DeepSpeed runs on CPU as is
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # the local tokenizer and model builder; the package, uninstalled
 from tiny import QUIET_TRAINING, char_tokenizer, preference_rows, tiny_model  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer  # noqa: E402
@@ -85,19 +86,20 @@ def dissimilar_rows(n: int = 16):
 
 
 def record_draws(trainer) -> list:
-    """Wrap the trainer's mask draw to keep, per micro-step, the masks, the batch they were drawn for and the keep
-    probabilities drawn with (this rank's mean over its pairs)."""
+    """Wrap the trainer's mask draw to keep, per micro-step, the masks, the batch they were drawn for, the keep
+    probabilities drawn with (this rank's mean over its pairs) and how many micro-steps its forward merged (`pass`:
+    1 alone, more in a merged step's pass)."""
     draws = []
     if not hasattr(trainer, "last_micro_step"):
         return draws
-    forward = trainer.concatenated_forward
+    forward, merged_forward = trainer.concatenated_forward, trainer.merged_forward
 
-    def recording(model, inputs):
-        done = forward(model, inputs)
+    def record(done, inputs, merged: int) -> None:
         (step, micro), masks, drawn = done.step, done.masks, done.options
         draws.append({
             "step": step,
             "micro": micro,
+            "pass": merged,
             "input_ids": inputs["input_ids"].tolist(),
             "completion_mask": inputs["completion_mask"].tolist(),
             "scored": masks.scored.int().tolist(),
@@ -105,10 +107,43 @@ def record_draws(trainer) -> list:
             **{key: float(torch.as_tensor(drawn[key], dtype=torch.float64).mean())
                for key in ("branch_keep_prob", "position_keep_prob")},
         })
+
+    def recording(model, inputs):
+        done = forward(model, inputs)
+        record(done, inputs, 1)
         return done
 
+    def recording_merged(model, batches):
+        records = merged_forward(model, batches)
+        for done, inputs in zip(records, batches):
+            record(done, inputs, len(batches))
+        return records
+
     trainer.concatenated_forward = recording
+    trainer.merged_forward = recording_merged
     return draws
+
+
+class CountReductions(TrainerCallback):
+    """Under DDP, counts the gradient buckets all-reduced (a communication hook on the wrapped model, registered once
+    training has wrapped it): a step reduced once holds `buckets` of them."""
+
+    def __init__(self, trainer):
+        self.trainer, self.reductions = trainer, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = self.trainer.model_wrapped
+        if not isinstance(model, DistributedDataParallel):
+            return
+
+        def counting(process_group, bucket):
+            self.reductions += 1
+            return allreduce_hook(process_group, bucket)
+
+        model.register_comm_hook(None, counting)
 
 
 def trainable_parameters(trainer) -> tuple[dict[str, torch.Tensor], int]:
@@ -183,6 +218,8 @@ def main():
     for run in runs:
         trainer = build(run, out, tokenizer, per_rank if run.get("data") == "per-rank" else dataset)
         draws = record_draws(trainer)
+        reductions = CountReductions(trainer)
+        trainer.add_callback(reductions)
         folder = out / run["name"]
         folder.mkdir(parents=True, exist_ok=True)
         rank = trainer.accelerator.process_index
@@ -205,6 +242,7 @@ def main():
             "global_step": trainer.state.global_step,
             "log_history": trainer.state.log_history,
             "draws": draws,
+            "reductions": reductions.reductions,
             # auto (auto.py): what it measured and chose, the same on every rank
             "auto": {"history": trainer.auto_keep_probs.history, "choice": list(trainer.auto_keep_probs.choice)}
             if getattr(trainer, "auto_keep_probs", None) is not None else None,

@@ -7,6 +7,9 @@ Pure, vectorised functions of CPU tensors and Python ints (no model, no trainer 
   position s-1 predicts a different token in each branch), each branch keyed on the shared part and itself. The
   attention metadata (cu_seq_q, cu_seq_k, kv_index, max_q, max_k) is what a varlen kernel takes (seam/attention.py).
 - padded (the fallback for models a packed row cannot express exactly): the batch's rows that run, trimmed.
+Branch pruning, packed: the backpropagated rows' forward (with grad) and the others' (no_grad) run the nodes of one
+forest, so a frozen row runs only what no backpropagated row runs; its shared part (prompt, common response start) it
+reads as the grad forward's keys and values (`plan_split`; attention.SharedKeys).
 Labels are pre-shifted (`shift_labels`): a position carries the token it predicts where some grid cell scores it, so a
 row's last token never runs. Grid column c (TRL's shifted coordinates, masks.py) is the output of input position c.
 """
@@ -18,7 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from .masks import PruneMasks, from_first_real, pair_agreement, positions_needed
-from .tree import build_forest, locate, tree_tokens
+from .tree import Forest, build_forest, locate
 
 
 @dataclass
@@ -55,11 +58,16 @@ class PackedGroup:
     bounds: tuple[list[int], list[int]] | None = None  # cu_seq_q, cu_seq_k as ints (the per-segment attention's)
     rows: torch.Tensor | None = None
     width: int = 0
+    # Branch pruning (`plan_split`): the grad group's tokens whose keys and values the frozen group reads, and in the
+    # frozen group how many such keys come before its own (its kv_index counts into [kept ; its own tokens]).
+    keeps: torch.Tensor | None = None
+    reads: int = 0
 
 
 @dataclass
 class ForwardPlan:
-    """A micro-step's policy forwards: with grad, and (branch pruning) under no_grad; pairs shared / split."""
+    """A micro-step's policy forwards: with grad, and (branch pruning) under no_grad; pairs whose prompt runs once /
+    twice (none since the frozen rows read their shared part's keys: kept for the `prune/pairs_shared` metric)."""
 
     grad: PackedGroup
     frozen: PackedGroup | None
@@ -161,39 +169,165 @@ def _plan_group(host: HostBatch, scored: torch.Tensor, run: torch.Tensor, trees:
         source = torch.full(scored.shape, -1, dtype=torch.long)
         source[index, : width - 1] = torch.where(keep, flat, -1)[:, : width - 1]  # width - 1 <= cols
         return PackedGroup(labels, source, index.numel() * width, int(keep.sum()), rows=index, width=width)
+    forest = _forest(host, torch.where(run & (need > 0), need + 1, 0), trees)
+    every = torch.ones(forest.start.numel(), dtype=torch.bool)
+    return _pack(host, forest, every, scored, offset, _firsts(forest, every))
 
+
+def _forest(host: HostBatch, length: torch.Tensor, trees: torch.Tensor) -> Forest | None:
+    """The forest of the rows' sequences ids[r, :length[r]] (tree.py), built once per batch for the same lengths and
+    trees: the policy's forest under branch pruning is the reference's (same masks)."""
+    done = host.derived.get("forest")
+    if done is not None and torch.equal(done[0][0], length) and torch.equal(done[0][1], trees):
+        return done[1]
     ids, _, _ = real_tokens(host)
-    # a row's sequence: the positions it runs, then the token its last one predicts
-    forest = build_forest(ids, torch.where(run & (need > 0), need + 1, 0), trees)
-    length = forest.end - forest.start
+    forest = build_forest(ids, length, trees)
+    host.derived["forest"] = ((length, trees), forest)
+    return forest
+
+
+def _firsts(forest: Forest, runs: torch.Tensor) -> torch.Tensor:
+    """(nodes,) where each node of `runs` ((nodes,) bool) starts among their tokens laid out in the forest's order."""
+    length = torch.where(runs, forest.end - forest.start, 0)
+    return length.cumsum(0) - length
+
+
+def _pack(host: HostBatch, forest: Forest, runs: torch.Tensor, scored: torch.Tensor, offset: torch.Tensor,
+          key_at: torch.Tensor) -> PackedGroup:
+    """One packed row: the forest's nodes `runs` ((nodes,) bool) in its order (each tree's preorder), each a segment
+    keyed on its ancestors' tokens then itself (positions 0 .. end - 1; lower-right causal). `key_at`: (nodes,) where
+    each key node's tokens start among the keys the attention gathers from (the row's own tokens, after those kept from
+    another forward when it reads some). Each scored cell whose node the row runs reads that node's output."""
+    ids, _, _ = real_tokens(host)
+    rows, cols = scored.shape
+    first = _firsts(forest, runs)
+    nodes = torch.nonzero(runs).flatten()
+    length = forest.end[nodes] - forest.start[nodes]
     total = int(length.sum())
-    seg_of = torch.repeat_interleave(torch.arange(length.numel()), length)
-    position = torch.arange(total) - forest.first[seg_of] + forest.start[seg_of]  # the position id
-    reader = forest.reader[seg_of]
+    node_of = torch.repeat_interleave(nodes, length)
+    position = torch.arange(total) - first[node_of] + forest.start[node_of]  # the position id
+    reader = forest.reader[node_of]
     input_ids = ids[reader, position]
 
-    # each scored cell reads the output of the node on its row's path that runs its position
-    row, col = torch.nonzero(scored & run[:, None] & (forest.distinct >= 0)[:, None], as_tuple=True)
+    # each scored cell reads the output of the node on its row's path that runs its position, where this row runs it
+    row, col = torch.nonzero(scored & (forest.distinct >= 0)[:, None], as_tuple=True)
     at = col - offset[row]
     node = locate(forest.row_key, forest.row_node, forest.distinct[row], at)
-    token = forest.first[node] + at - forest.start[node]
+    mine = runs[node]
+    row, col = row[mine], col[mine]
+    node, at = node[mine], at[mine]
+    token = first[node] + at - forest.start[node]
     source = torch.full((rows, cols), -1, dtype=torch.long)
     source[row, col] = token
     labelled = torch.zeros(total, dtype=torch.bool)
     labelled[token] = True
     shift_labels = torch.where(labelled, ids[reader, (position + 1).clamp(max=ids.size(1) - 1)], -100)
 
-    # keys: the node's ancestors, then the node itself (positions 0 .. end - 1; lower-right causal): each record of
-    # `key_nodes` (node by node, root first) lays its node's tokens next
-    keys = forest.end
+    # keys: each record of `key_nodes` (node by node, root first) lays its node's tokens next
+    records = runs[forest.key_owner]
+    key_nodes = forest.key_nodes[records]
+    keys = forest.end[nodes]
     cu_k = torch.cat([torch.zeros(1, dtype=torch.long), keys.cumsum(0)])
-    held = length[forest.key_nodes]
+    held = forest.end[key_nodes] - forest.start[key_nodes]
     before = torch.cat([torch.zeros(1, dtype=torch.long), held.cumsum(0)[:-1]])
-    kv_index = torch.repeat_interleave(forest.first[forest.key_nodes] - before, held) + torch.arange(int(cu_k[-1]))
+    kv_index = torch.repeat_interleave(key_at[key_nodes] - before, held) + torch.arange(int(cu_k[-1]))
     cu_q = torch.cat([torch.zeros(1, dtype=torch.long), length.cumsum(0)])
     return PackedGroup(shift_labels.view(1, -1), source, total, int(labelled.sum()), input_ids.view(1, -1),
                        position.view(1, -1), cu_q.int(), cu_k.int(), kv_index, int(length.max()), int(keys.max()),
                        (cu_q.tolist(), cu_k.tolist()))
+
+
+def plan_split(host: HostBatch, scored: torch.Tensor, backprop: torch.Tensor,
+               trees: torch.Tensor) -> tuple[PackedGroup, PackedGroup]:
+    """Branch pruning, packed: the grad and the frozen group as the nodes of one forest of every row that runs.
+
+    A node on a backpropagated row's path runs in the grad group (with grad; it runs positions that row needs, so the
+    grad group is the backpropagated rows' own forest), every other node in the frozen group (no_grad). A frozen
+    node's keys are its ancestors' tokens then its own: ancestors of the grad group (the prompt, a response start
+    shared with a backpropagated row) are read from the grad forward's keys and values, kept detached for the tokens
+    the frozen group reads (`keeps`, attention.SharedKeys), never run again. The two groups run each node once: the
+    tokens of the unpruned forward, whatever the draw. A scored cell of a frozen row in a grad node reads the grad
+    group's output: its gradient is scaled by z = 0 (Eq. 3), as when a frozen row ran in the grad forward.
+    When one group has no node, the other runs every row and the empty one its two tokens (`_plan_group`)."""
+    offset, need = _lengths(host, scored)
+    forest = _forest(host, torch.where(need > 0, need + 1, 0), trees)
+    if forest is None:
+        grad = torch.zeros(0, dtype=torch.bool)
+    else:
+        grad = forest.path_nodes(forest.distinct[backprop & (need > 0)])
+    if not bool(grad.any()) or bool(grad.all()):
+        runs_all = torch.full_like(backprop, bool(grad.any()))
+        return plan_group(host, scored, runs_all, trees, True), plan_group(host, scored, ~runs_all, trees, True)
+    frozen = ~grad
+    # the grad nodes whose tokens a frozen node reads as keys (its grad ancestors), kept in the forest's order
+    kept = torch.zeros_like(grad)
+    kept[forest.key_nodes[frozen[forest.key_owner] & grad[forest.key_nodes]]] = True
+    grad_first, kept_first = _firsts(forest, grad), _firsts(forest, kept)
+    reads = int((forest.end - forest.start)[kept].sum())
+    grad_group = _pack(host, forest, grad, scored, offset, grad_first)
+    if reads:  # (rows of their own trees share nothing: padding_free without share_prompt)
+        nodes = torch.nonzero(kept).flatten()
+        held = forest.end[nodes] - forest.start[nodes]
+        grad_group.keeps = torch.repeat_interleave(grad_first[nodes] - kept_first[nodes], held) + torch.arange(reads)
+    frozen_group = _pack(host, forest, frozen, scored, offset,
+                         torch.where(frozen, reads + _firsts(forest, frozen), kept_first))
+    frozen_group.reads = reads
+    return grad_group, frozen_group
+
+
+def unpruned_tokens(host: HostBatch, share: bool) -> int:
+    """The tokens a packed forward of the whole micro-batch runs with nothing pruned (the exact savings only). Pruning
+    only removes tokens, so it bounds the micro-batch's policy forward under any masks, and it is known from the token
+    ids alone, before the masks are drawn (the merged step groups micro-batches by it: `group_passes`)."""
+    scored = host.completion_mask[:, 1:].bool()
+    run = torch.ones(scored.size(0), dtype=torch.bool)
+    return plan_group(host, scored, run, row_trees(host, share), True).tokens
+
+
+def group_passes(tokens: list[int], budget: int) -> list[int]:
+    """How many consecutive micro-batches each pass holds, in order: as many as fit in `budget` tokens (`tokens`: each
+    micro-batch's), a micro-batch over the budget alone. In order because a pass runs in its last micro-batch's
+    training step; greedy, which for consecutive runs under one capacity gives the fewest passes."""
+    sizes, held = [], 0
+    for count in tokens:
+        if sizes and held + count <= budget:
+            sizes[-1] += 1
+            held += count
+        else:
+            sizes.append(1)
+            held = count
+    return sizes
+
+
+def concat_groups(groups: list[PackedGroup]) -> PackedGroup:
+    """One packed forward of several micro-batches' packed groups, laid end to end (the merged step): token ids,
+    positions and labels concatenated; each segment keeps its own keys, its indices shifted by the tokens (and its key
+    offsets by the keys) of the groups before it. `source` stacks the groups' grids, each below the previous one and
+    padded with -1 to the widest, its cells shifted by the tokens before it: `split_grid` cuts each grid back out."""
+    if any(group.rows is not None for group in groups):
+        raise ValueError("concat_groups takes packed groups only (the padded layout runs each micro-batch alone).")
+    if any(group.keeps is not None or group.reads for group in groups):
+        raise ValueError("concat_groups does not take branch pruning's split groups (they run each micro-batch alone).")
+    starts = torch.tensor([0] + [group.tokens for group in groups]).cumsum(0)
+    key_starts = torch.tensor([0] + [int(group.cu_seq_k[-1]) for group in groups]).cumsum(0)
+    cols = max(group.source.size(1) for group in groups)
+    sources = [torch.where(g.source >= 0, g.source + start, -1) for g, start in zip(groups, starts.tolist())]
+    source = torch.cat([F.pad(s, (0, cols - s.size(1)), value=-1) for s in sources])
+    zero = torch.zeros(1, dtype=groups[0].cu_seq_q.dtype)
+    cu_q = torch.cat([zero] + [g.cu_seq_q[1:] + start for g, start in zip(groups, starts.tolist())])
+    cu_k = torch.cat([zero] + [g.cu_seq_k[1:] + start for g, start in zip(groups, key_starts.tolist())])
+    kv_index = torch.cat([g.kv_index + start for g, start in zip(groups, starts.tolist())])
+    return PackedGroup(torch.cat([g.shift_labels for g in groups], dim=1), source, int(starts[-1]),
+                       sum(g.scored for g in groups), torch.cat([g.input_ids for g in groups], dim=1),
+                       torch.cat([g.position_ids for g in groups], dim=1), cu_q, cu_k, kv_index,
+                       max(g.max_q for g in groups), max(g.max_k for g in groups), (cu_q.tolist(), cu_k.tolist()))
+
+
+def split_grid(grid: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each micro-batch's (rows, cols) grid back out of a merged forward's stacked grid (`concat_groups`'s `source`
+    gathered): its rows in order, its own columns."""
+    pieces = grid.split([rows for rows, _ in shapes])
+    return [piece[:, :cols] for piece, (_, cols) in zip(pieces, shapes)]
 
 
 def shared_is_cheaper(shared, frozen_tail, grad_cost: float):
@@ -204,35 +338,20 @@ def shared_is_cheaper(shared, frozen_tail, grad_cost: float):
     return (grad_cost - 1) * frozen_tail < shared
 
 
-def plan_policy(host: HostBatch, masks: PruneMasks, *, frozen_group: bool, grad_cost: float, share: bool,
-                packed: bool) -> ForwardPlan:
-    """The policy forwards; `frozen_group`: branch pruning is on (structural, the same on every process). Shared, a
-    tree (a prompt group) whose rows are all backpropagated (or all frozen) is one tree of its forward; a tree with
-    both runs whole in the grad group (its frozen rows get a zero gradient, Eq. 3) when that is cheaper than running
-    its frozen rows as a tree of their own under no_grad (`shared_is_cheaper`, from the trees' own token counts)."""
+def plan_policy(host: HostBatch, masks: PruneMasks, *, frozen_group: bool, share: bool, packed: bool) -> ForwardPlan:
+    """The policy forwards; `frozen_group`: branch pruning is on (structural, the same on every process): the
+    backpropagated rows run with grad, the others under no_grad. Packed, the two are one forest's nodes
+    (`plan_split`): a frozen row runs only what no backpropagated row runs, so pruning branches never runs more
+    tokens than the same rows unpruned, and every prompt runs once."""
     scored, backprop = masks.scored.cpu(), masks.backprop.cpu()
-    rows = scored.size(0)
-    pairs = rows // 2
     trees = row_trees(host, share)
-    in_grad = backprop.clone()
-    if share and frozen_group:
-        count = int(trees.max()) + 1
-        has_grad = torch.zeros(count, dtype=torch.bool).index_fill_(0, trees[backprop], True)
-        has_frozen = torch.zeros(count, dtype=torch.bool).index_fill_(0, trees[~backprop], True)
-        if bool((has_grad & has_frozen).any()):
-            ids, _, _ = real_tokens(host)
-            _, need = _lengths(host, scored)
-            length = torch.where(need > 0, need + 1, 0)
-            tokens = [tree_tokens(build_forest(ids, torch.where(rows_in, length, 0), trees), count)
-                      for rows_in in (torch.ones_like(backprop), backprop, ~backprop)]
-            # whole: grad_cost * all; split: grad_cost * grad + 1 * frozen (docs/method.md, "Branch pruning")
-            whole = shared_is_cheaper(tokens[1] + tokens[2] - tokens[0], tokens[0] - tokens[1], grad_cost)
-            in_grad |= (has_grad & has_frozen & whole)[trees]
-    split = in_grad[:pairs] != in_grad[pairs:]
-    grad = plan_group(host, scored, in_grad, trees, packed)
-    frozen = plan_group(host, scored, ~in_grad, trees, packed) if frozen_group else None
-    shared = int((~split).sum()) if share else 0
-    return ForwardPlan(grad, frozen, shared, int(split.sum()) if share else 0)
+    if not frozen_group:
+        grad, frozen = plan_group(host, scored, backprop, trees, packed), None
+    elif packed:
+        grad, frozen = plan_split(host, scored, backprop, trees)
+    else:
+        grad, frozen = (plan_group(host, scored, rows, trees, False) for rows in (backprop, ~backprop))
+    return ForwardPlan(grad, frozen, scored.size(0) // 2 if share else 0, 0)
 
 
 def plan_reference(host: HostBatch, scored: torch.Tensor, share: bool, packed: bool) -> PackedGroup:
@@ -302,25 +421,27 @@ class MicroStepPlan:
 
 
 def plan_micro_step(step: tuple[int, int], options: dict, host: HostBatch, masks: PruneMasks, layout: Layout, *,
-                    prunes_branches: bool, grad_cost: float, reference_scored: torch.Tensor | None,
+                    prunes_branches: bool, reference_scored: torch.Tensor | None,
                     means: tuple = ()) -> MicroStepPlan:
     """The whole host side of a micro-step: its policy forwards, its reference forward on `reference_scored` (None:
     precomputed, nothing runs) and its work counts, from the batch's host copy and the masks drawn from it."""
-    policy = plan_policy(host, masks, frozen_group=prunes_branches, grad_cost=grad_cost, share=layout.share,
-                         packed=layout.packed)
+    policy = plan_policy(host, masks, frozen_group=prunes_branches, share=layout.share, packed=layout.packed)
     reference = None
     if reference_scored is not None:
         reference = plan_reference(host, reference_scored, layout.share, layout.packed)
     response = host.completion_mask[:, 1:].bool()
     frozen_tokens = policy.frozen.tokens if policy.frozen is not None else 0
+    # The mask sums in one read (host tensors: no device sync, one dispatch instead of six).
+    sums = torch.stack([masks.scored.sum(), masks.scored[masks.backprop].sum(), masks.executed.sum(), response.sum(),
+                        response.chunk(2)[0].sum(), masks.backprop.sum()]).tolist()
     counts = WorkCounts(
-        positions_scored=int(masks.scored.sum()),
-        grad_positions_scored=int(masks.scored[masks.backprop].sum()),
-        tokens_needed=int(masks.executed.sum()),
-        response_positions=int(response.sum()),
-        chosen_response_positions=int(response.chunk(2)[0].sum()),
+        positions_scored=sums[0],
+        grad_positions_scored=sums[1],
+        tokens_needed=sums[2],
+        response_positions=sums[3],
+        chosen_response_positions=sums[4],
         rows=response.size(0),
-        grad_rows=int(masks.backprop.sum()),
+        grad_rows=sums[5],
         full_tokens=host.input_ids.numel(),
         policy_tokens_executed=policy.grad.tokens + frozen_tokens,
         grad_tokens_executed=policy.grad.tokens,

@@ -22,21 +22,28 @@ _WIDE = 1 << 32  # a key (record, position) as record * _WIDE + position, for on
 class Forest:
     """The nodes of every tree, in packed order (each tree's nodes in preorder, trees by id), empty ones dropped.
 
-    start, end: (nodes,) the positions [start, end) a node runs; reader: (nodes,) a row whose tokens it reads; first:
-    (nodes,) where its tokens start in the packed row; tree: (nodes,) its tree id. `row_key`, `row_node`: for each
-    distinct sequence, the nodes on its path (root first) as searchsorted records keyed sequence * _WIDE + start.
-    `key_nodes`: node by node, the nodes whose tokens are its keys (its ancestors, root first, then itself);
-    `distinct`: (rows,) the record owner of each row (its distinct sequence; -1 for rows not running)."""
+    start, end: (nodes,) the positions [start, end) a node runs; reader: (nodes,) a row whose tokens it reads; tree:
+    (nodes,) its tree id. `row_key`, `row_node`: for each distinct sequence, the nodes on its path (root first) as
+    searchsorted records keyed sequence * _WIDE + start. `key_owner`, `key_nodes`: records node by node (`key_owner`
+    ascending) of the nodes whose tokens are its keys (its ancestors, root first, then itself): positions 0 .. end - 1
+    of its rows; `distinct`: (rows,) the record owner of each row (its distinct sequence; -1 for rows not running).
+    A group may run some nodes only (branch pruning, plan.py): it lays them out in this order."""
 
     start: torch.Tensor
     end: torch.Tensor
     reader: torch.Tensor
-    first: torch.Tensor
     tree: torch.Tensor
     row_key: torch.Tensor
     row_node: torch.Tensor
+    key_owner: torch.Tensor
     key_nodes: torch.Tensor
     distinct: torch.Tensor
+
+    def path_nodes(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(nodes,) bool: the nodes on the paths of the distinct `sequences` (ids of `distinct`)."""
+        on = torch.zeros(self.start.numel(), dtype=torch.bool)
+        on[self.row_node[torch.isin(self.row_key // _WIDE, sequences)]] = True
+        return on
 
 
 def build_forest(ids: torch.Tensor, length: torch.Tensor, trees: torch.Tensor) -> Forest | None:
@@ -82,7 +89,6 @@ def build_forest(ids: torch.Tensor, length: torch.Tensor, trees: torch.Tensor) -
     order = torch.argsort(lo * (u + 2) + (u + 1 - hi))
     order = order[(end > start)[order]]
     lo, hi, start, end = lo[order], hi[order], start[order], end[order]
-    first = torch.cat([torch.zeros(1, dtype=torch.long), (end - start).cumsum(0)[:-1]])
     reader = rows[torch.zeros(u, dtype=torch.long).scatter_reduce(0, inverse, torch.arange(rows.numel()), "amax",
                                                                   include_self=False)]
 
@@ -96,18 +102,11 @@ def build_forest(ids: torch.Tensor, length: torch.Tensor, trees: torch.Tensor) -
 
     distinct = torch.full((ids.size(0),), -1, dtype=torch.long)
     distinct[rows] = inverse
-    return Forest(start, end, reader[lo], first, trees[reader[lo]], *records(leaf, leaf + 1), records(lo, hi)[1],
+    key, key_nodes = records(lo, hi)
+    return Forest(start, end, reader[lo], trees[reader[lo]], *records(leaf, leaf + 1), key // _WIDE, key_nodes,
                   distinct)
 
 
 def locate(key: torch.Tensor, node: torch.Tensor, owner: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """The node of each (owner, position): the last record of `owner` starting at or before `position`."""
     return node[torch.searchsorted(key, owner * _WIDE + position, right=True) - 1]
-
-
-def tree_tokens(forest: Forest | None, trees: int) -> torch.Tensor:
-    """(trees,) tokens each tree id runs."""
-    out = torch.zeros(trees, dtype=torch.long)
-    if forest is not None:
-        out.index_add_(0, forest.tree, forest.end - forest.start)
-    return out

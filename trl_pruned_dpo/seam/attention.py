@@ -13,6 +13,9 @@ mask builders return a `PackedMask` (the layer's sliding window, as stock's mask
 each layer type gets its own window; `softcap` and `s_aux` arrive as the model passes them. The kernel check is keyed
 per variant. Which models pack: `packed_verdict` (the tested table `EXACT_FAMILIES`, properties of the config and the
 model file; any other family is checked by the trainer on its first batch).
+Branch pruning (plan.plan_split): the grad forward keeps, detached, the keys and values (after rotary and QK-norm, as
+the attention receives them) of the tokens its frozen group reads; the frozen forward puts them before its own keys
+(`SharedKeys`), so a dropped branch never runs its prompt again.
 Relies on transformers' `config._attn_implementation`, the mask builders' `local_size` and each model file's
 `eager_attention_forward` (pinned by tests/test_packed_kernels.py and the exactness matrix).
 """
@@ -39,10 +42,52 @@ _users_backend: dict[int, tuple[object, str]] = {}  # id(config) -> (config, the
 _packings: list = []  # the packed forwards running (innermost last): their masks are never built
 
 
+class SharedKeys:
+    """The keys and values the frozen forward of branch pruning reads from the grad forward (plan.plan_split).
+
+    The grad forward keeps, at each attention call, its tokens `index` of the keys and values, detached (the frozen
+    rows get no gradient), in call order; once it has returned (`close`) a call is gradient checkpointing's replay in
+    the backward and keeps nothing. The frozen forward's i-th call reads the i-th kept pair, of the same module (call
+    order, not a dict by module: a module called twice per forward reads its two calls), then `release` frees them."""
+
+    def __init__(self):
+        self.index: torch.Tensor | None = None
+        self.kept: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = []
+        self.keeping, self.read = False, 0
+
+    def open(self, index: torch.Tensor) -> "SharedKeys":
+        self.index, self.kept = index, []
+        self.keeping, self.read = True, 0
+        return self
+
+    def close(self) -> None:
+        self.keeping = False
+
+    def release(self) -> None:
+        self.kept, self.index = [], None
+
+    def keep(self, module, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key, value: (T, Hkv, D) of the grad forward's row."""
+        if self.keeping:
+            self.kept.append((module, key.detach().index_select(0, self.index),
+                              value.detach().index_select(0, self.index)))
+
+    def prepend(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept keys and values of this call, then the frozen forward's own (T, Hkv, D)."""
+        if self.read >= len(self.kept) or self.kept[self.read][0] is not module:
+            raise RuntimeError(f"the frozen forward's attention call {self.read} ({type(module).__name__}) is not the "
+                               "grad forward's: the keys kept for it do not belong to it")
+        _, k, v = self.kept[self.read]
+        self.read += 1
+        return torch.cat([k.to(key.dtype), key]), torch.cat([v.to(value.dtype), value])
+
+
 @dataclass
 class Packing:
     """One packed group's metadata on the device: cu_seq_q/cu_seq_k (segments + 1,) int32 boundaries of the queries in
-    the row and of their keys in kv_index (keys,) long; max_q, max_k ints; host_q/host_k: cu_seq_q/k as ints."""
+    the row and of their keys in kv_index (keys,) long; max_q, max_k ints; host_q/host_k: cu_seq_q/k as ints. Branch
+    pruning: `keeps`, the grad forward's keys kept for the frozen one; `reads`, those the frozen forward's kv_index
+    counts before its own tokens."""
 
     cu_seq_q: torch.Tensor
     cu_seq_k: torch.Tensor
@@ -51,6 +96,8 @@ class Packing:
     max_k: int
     host_q: list[int]
     host_k: list[int]
+    keeps: SharedKeys | None = None
+    reads: SharedKeys | None = None
 
 
 try:
@@ -91,14 +138,18 @@ def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant 
 
     SDPA gets batched 4D inputs (1, H, L, D): only then does it take its fused kernels (on CPU the flash kernel, which
     keeps a logsumexp per query for the backward); 3D ones run the math path, which keeps lq x lk scores and
-    probabilities per head (docs/benchmarks.md, "Where a step's memory goes")."""
-    out = torch.empty_like(query)
+    probabilities per head (docs/benchmarks.md, "Where a step's memory goes").
+
+    Each input is split once and the outputs concatenated once: a slice per segment would make the backward build a
+    zero gradient of the whole row per segment, quadratic in the row's length (a merged step's pass is long)."""
+    outs = []
     gqa = query.size(1) != key.size(1)
     q0s, k0s = packing.host_q, packing.host_k
-    for s in range(len(q0s) - 1):
-        q0, q1, k0, k1 = q0s[s], q0s[s + 1], k0s[s], k0s[s + 1]
-        lq, lk = q1 - q0, k1 - k0
-        q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
+    queries = query.split([q1 - q0 for q0, q1 in zip(q0s, q0s[1:])])
+    keys, values = (x.split([k1 - k0 for k0, k1 in zip(k0s, k0s[1:])]) for x in (key, value))
+    for q, k, v in zip(queries, keys, values):
+        lq, lk = q.size(0), k.size(0)
+        q, k, v = (x.transpose(0, 1) for x in (q, k, v))
         banded = variant.window is not None and variant.window < lk
         # no mask where it would outweigh a row's q and output (lk floats against 2·H·D) and the padded rows cost at
         # most half the segment's own scores ((lk - lq)²/2 against lq·lk): long branches behind a moderate prompt
@@ -116,8 +167,8 @@ def _per_segment(query, key, value, packing: Packing, scaling, variant: Variant 
                 o = _sdpa(q, k, v, scaling, gqa, attn_mask=visible)
             else:
                 o = _eager(q, k, v, visible, scaling, variant.softcap, sinks)
-        out[q0:q1] = o.transpose(0, 1)
-    return out
+        outs.append(o.transpose(0, 1).to(query.dtype))
+    return torch.cat(outs)
 
 
 def _sdpa(q, k, v, scaling, gqa, **mask):
@@ -258,6 +309,10 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         window = None
     variant = Variant(window, kwargs.get("softcap"), sinks is not None)
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if packing.keeps is not None:
+        packing.keeps.keep(module, k, v)
+    if packing.reads is not None:
+        k, v = packing.reads.prepend(module, k, v)
     k, v = k.index_select(0, packing.kv_index), v.index_select(0, packing.kv_index)
     kernel = _kernel(q, k, _users(getattr(module, "config", None)), variant)
     if kernel is None:

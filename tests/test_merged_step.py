@@ -1,0 +1,230 @@
+"""The merged step (merged_step.py, docs/method.md "Merged steps"): the micro-batches of one optimizer step run in as
+few packed passes as `step_token_budget` allows, TRL's loss still per micro-batch.
+
+Checked on the tiny model, one optimizer step of 4 micro-batches of 2 pairs, plain SGD at learning rate 1 without
+clipping (so the update is minus the accumulated gradient):
+- the update equals the unmerged one and stock TRL's accumulation to fp32 round-off, for `sigmoid` and a loss with
+  batch statistics (`bco_pair`'s running mean over the micro-batch), and with pruning on (the same masks);
+- the logged metrics are the unmerged run's, key for key;
+- decoder-layer calls (policy and reference) per optimizer step: at the default budget at most half the unmerged
+  ones, with the budget raised to the whole step one policy pass and one reference pass, and gradient checkpointing
+  switched off once per pass;
+- each fallback says one line, once, and trains exactly as `step_token_budget=0` (unmerged);
+- a run resumed from a mid-run checkpoint logs and ends as the uninterrupted one.
+"""
+
+import shutil
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from datasets import Dataset
+from tiny import SAVINGS_OFF, build_trainer, preference_rows
+from trl import DPOConfig, DPOTrainer
+
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.merged_step import StepPasses, why_unmerged
+from trl_pruned_dpo.method.plan import concat_groups, group_passes, split_grid
+from trl_pruned_dpo.pruned_forward import reference_log_probs
+
+STEP = dict(max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=4, optim="sgd", learning_rate=1.0,
+            max_grad_norm=0.0, lr_scheduler_type="constant")
+WHOLE_STEP = 10**9
+NOTICE = "Merged step off (`step_token_budget`)"
+
+
+def ragged_rows(n: int = 8, seed: int = 0) -> list[dict]:
+    """Prompts of ragged length with short answers: stock pads every row to the longest, the packed layout runs each
+    prompt once per pair, so several micro-batches fit in stock's padded tokens of one (the default budget)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        a, b = (int(x) for x in torch.randint(1, 999, (2,), generator=g))
+        context = "abc " * int(torch.randint(1, 12, (1,), generator=g))
+        rows.append({"prompt": f"{context}Q{i}: {a}+{b}? ", "chosen": f"{a + b}", "rejected": f"{a + b + 1 + i % 3}"})
+    return rows
+
+
+def one_step(tokenizer, tmp_path, trainer_cls=PrunedDPOTrainer, config_cls=PrunedDPOConfig, rows=None, **config):
+    """Train `config` for one optimizer step: (update, {"policy", "reference": passes over the model}, logged entry,
+    the warnings said, the times gradient checkpointing was switched off for a no-grad block)."""
+    dataset = Dataset.from_list(rows or ragged_rows())
+    trainer = build_trainer(trainer_cls, config_cls, tokenizer, dataset, tmp_path, **{**STEP, **config})
+    calls = {"policy": 0, "reference": 0}
+    models = {"policy": trainer.model, "reference": trainer.ref_model}
+    for name, model in models.items():
+        for layer in model.model.layers if model is not None else ():
+            layer.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    toggles = []
+    disable = trainer.model.gradient_checkpointing_disable
+    trainer.model.gradient_checkpointing_disable = lambda: (toggles.append(1), disable())[1]
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.train()
+    update = torch.cat([(p.detach() - before[name]).flatten() for name, p in trainer.model.named_parameters()])
+    layers = len(trainer.model.model.layers)
+    passes = {name: count // layers for name, count in calls.items()}
+    entry = next(e for e in trainer.state.log_history if "loss" in e)
+    return update, passes, entry, [str(w.message) for w in said if NOTICE in str(w.message)], len(toggles)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_passes_are_consecutive_runs_within_the_budget():
+    assert group_passes([3, 3, 3, 3], 6) == [2, 2]
+    assert group_passes([3, 3, 3, 3], 100) == [4]
+    assert group_passes([5, 2, 9, 1], 7) == [2, 1, 1]  # 9 over the budget: alone
+    assert group_passes([4, 4, 4], 3) == [1, 1, 1]
+    a, b, c = ({"i": i} for i in range(3))
+    step = StepPasses(((a, b), (c,)))
+    assert step.ending_with(a) == () and step.ending_with(b) == (a, b) and step.ending_with(c) == (c,)
+    assert step.ending_with({"i": 0}) is None  # identity, not equality: a batch of another step runs alone
+
+
+@pytest.mark.parametrize("budget", [-1, True, 2.5, "1000"])
+def test_a_budget_that_is_not_a_token_count_is_refused(tmp_path, budget):
+    with pytest.raises(ValueError, match="step_token_budget"):
+        PrunedDPOConfig(output_dir=str(tmp_path), bf16=False, step_token_budget=budget)
+
+
+def test_concatenated_groups_give_each_group_its_own_log_probs(tokenizer, tmp_path):
+    """Two micro-batches' packed reference groups end to end in one forward (`concat_groups`), each grid cut back out
+    (`split_grid`): each micro-batch's per-token log-probs are its own forward's."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(ragged_rows()), tmp_path,
+                            per_device_train_batch_size=2)
+    batches = [trainer._prepare_inputs(batch) for batch, _ in zip(trainer.get_train_dataloader(), range(3))]
+    plans = [trainer.plan(batch) for batch in batches]
+    context = trainer.forward_context()
+    alone = [reference_log_probs(context, trainer.ref_model, plan.reference, batch) for plan, batch in
+             zip(plans, batches)]
+    merged = concat_groups([plan.reference for plan in plans])
+    assert merged.tokens == sum(plan.reference.tokens for plan in plans)
+    assert merged.bounds[0][-1] == merged.tokens and merged.bounds[1][-1] == int(merged.cu_seq_k[-1])
+    together = reference_log_probs(context, trainer.ref_model, merged, batches[-1])
+    pieces = split_grid(together, [tuple(plan.reference.source.shape) for plan in plans])
+    for own, piece in zip(alone, pieces):
+        assert piece.shape == own.shape
+        torch.testing.assert_close(piece, own, rtol=0, atol=2e-6)
+
+
+@pytest.fixture(scope="module")
+def runs(tokenizer, tmp_path_factory) -> dict:
+    """One optimizer step per (loss type, trainer): stock TRL, unmerged, merged at the default budget and whole."""
+    out = {}
+    for loss in ("sigmoid", "bco_pair"):
+        for name, trainer_cls, config_cls, config in (
+            ("stock", DPOTrainer, DPOConfig, {}),
+            ("unmerged", PrunedDPOTrainer, PrunedDPOConfig, dict(step_token_budget=0)),
+            ("default", PrunedDPOTrainer, PrunedDPOConfig, {}),
+            ("whole", PrunedDPOTrainer, PrunedDPOConfig, dict(step_token_budget=WHOLE_STEP)),
+        ):
+            out[loss, name] = one_step(tokenizer, tmp_path_factory.mktemp(name), trainer_cls, config_cls,
+                                       loss_type=[loss], **config)
+    return out
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "bco_pair"])
+def test_update_equals_unmerged_and_stock_accumulation(runs, loss):
+    stock, unmerged = runs[loss, "stock"][0], runs[loss, "unmerged"][0]
+    assert relative(unmerged, stock) < 1e-5
+    for name in ("default", "whole"):
+        assert relative(runs[loss, name][0], unmerged) < 1e-5, name
+        assert relative(runs[loss, name][0], stock) < 1e-5, name
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "bco_pair"])
+def test_logged_metrics_equal_unmerged(runs, loss):
+    unmerged = runs[loss, "unmerged"][2]
+    stock = runs[loss, "stock"][2]
+    assert runs[loss, "unmerged"][3] == runs[loss, "default"][3] == []  # merging said nothing
+    for name in ("default", "whole"):
+        entry = runs[loss, name][2]
+        assert set(entry) == set(unmerged), name
+        for key, value in unmerged.items():
+            if isinstance(value, float) and "runtime" not in key and "per_second" not in key:
+                assert entry[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+        assert entry["loss"] == pytest.approx(stock["loss"], rel=1e-5)
+
+
+def test_passes_over_the_model_per_step(runs):
+    unmerged, default, whole = (runs["sigmoid", name][1] for name in ("unmerged", "default", "whole"))
+    assert unmerged == {"policy": 4, "reference": 4} == runs["sigmoid", "stock"][1]
+    assert default["policy"] + default["reference"] <= (unmerged["policy"] + unmerged["reference"]) / 2
+    assert whole == {"policy": 1, "reference": 1}
+    # Gradient checkpointing (on: DPOConfig's default) is switched off once per pass, for its no-grad block.
+    assert runs["sigmoid", "unmerged"][4] == 4 and runs["sigmoid", "whole"][4] == 1
+
+
+@pytest.mark.parametrize("config", [
+    dict(position_keep_prob=0.5, prefix_prune_prob=0.5),  # the same masks, merged or not
+    dict(precompute_ref_log_probs=True, prune_common_prefix=True),  # the stored per-token reference
+], ids=["pruned", "precomputed"])
+def test_pruned_and_precomputed_steps_equal_unmerged(tokenizer, tmp_path, config):
+    unmerged = one_step(tokenizer, tmp_path / "unmerged", step_token_budget=0, **config)
+    merged = one_step(tokenizer, tmp_path / "merged", step_token_budget=WHOLE_STEP, **config)
+    assert relative(merged[0], unmerged[0]) < 1e-5
+    # A precomputed reference runs no reference forward.
+    assert merged[1] == {"policy": 1, "reference": 0 if "precompute_ref_log_probs" in config else 1}
+    assert merged[2]["loss"] == pytest.approx(unmerged[2]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("config, why", [
+    (dict(branch_keep_prob=0.5), "branch pruning"),
+    (dict(branch_keep_prob="auto"), '"auto"'),
+    (dict(position_keep_prob=0.5, **SAVINGS_OFF), "the padded layout"),
+    (dict(SAVINGS_OFF), "TRL's own forward"),
+], ids=["branch", "auto", "padded", "stock"])
+def test_each_fallback_says_one_line_once_and_trains_unmerged(tokenizer, tmp_path, config, why):
+    two_steps = dict(max_steps=2, gradient_accumulation_steps=2, rows=ragged_rows(8))
+    fallback = one_step(tokenizer, tmp_path / "asked", step_token_budget=WHOLE_STEP, **two_steps, **config)
+    unmerged = one_step(tokenizer, tmp_path / "off", step_token_budget=0, **two_steps, **config)
+    assert len(fallback[3]) == 1 and why in fallback[3][0]
+    assert unmerged[3] == []
+    assert torch.equal(fallback[0], unmerged[0]) and fallback[1] == unmerged[1]
+
+
+def test_why_unmerged_names_each_engine():
+    from accelerate.utils import DistributedType
+
+    from trl_pruned_dpo.forward_choice import ForwardChoice
+
+    packed = ForwardChoice(pruned=True, packed=True, share_prompt=True)
+    args = SimpleNamespace(n_gpu=1, optim="adamw_torch", auto_keep_probs=False, branch_keep_prob=1.0)
+    plain = SimpleNamespace(distributed_type=DistributedType.MULTI_GPU, parallelism_config=None)
+
+    def why(choice=packed, accelerator=plain, fsdp=False, aux=False, **fields):
+        return why_unmerged(SimpleNamespace(**{**vars(args), **fields}), choice, accelerator, aux, fsdp)
+
+    assert why() is None
+    assert "DeepSpeed" in why(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    assert "FSDP" in why(fsdp=True)
+    assert "context parallelism" in why(accelerator=SimpleNamespace(
+        distributed_type=DistributedType.MULTI_GPU, parallelism_config=SimpleNamespace(cp_enabled=True)))
+    assert "DataParallel" in why(n_gpu=2)
+    assert "LOMO" in why(optim="lomo")
+    assert "router" in why(aux=True)
+    assert "padded" in why(choice=ForwardChoice(pruned=True))
+
+
+def test_resume_mid_run_equals_the_uninterrupted_run(tokenizer, tmp_path):
+    config = dict(max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=1,
+                  save_strategy="steps", save_steps=2, position_keep_prob=0.5, step_token_budget=WHOLE_STEP)
+    dataset = Dataset.from_list(preference_rows(16))
+    whole = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "whole", **config)
+    whole.train()
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path / "resumed", **config)
+    resumed.train(resume_from_checkpoint=True)
+
+    def losses(trainer):
+        return [(e["step"], e["loss"]) for e in trainer.state.log_history if "loss" in e]
+
+    # The resumed log holds the checkpoint's entries (steps 1-2), then its own.
+    assert losses(resumed) == losses(whole) and len(losses(whole)) == 4
+    final = dict(whole.model.named_parameters())
+    assert all(torch.equal(final[name], p) for name, p in resumed.model.named_parameters())

@@ -1,0 +1,104 @@
+"""The merged step: the micro-batches of one optimizer step run in as few packed passes (one policy forward and one
+reference forward each) as `step_token_budget` allows, instead of one pass per micro-batch (docs/method.md, "Merged
+steps"). On a GPU a DPO step is bound by the host's kernel launches, which scale with forwards, not tokens.
+
+transformers prefetches an optimizer step's micro-batches (`Trainer.get_batch_samples`), then calls `training_step`
+once per micro-batch, in order, under `no_sync` but for the last. The trainer groups the step's micro-batches into
+passes here (`step_passes`, from their token ids alone, before any mask is drawn). A micro-batch that does not end its
+pass returns a zero loss (no forward, no backward); the one that ends it runs the whole pass: each micro-batch planned
+as unmerged (its masks keyed by its own micro-step), one policy and one reference forward (pruned_forward.run_pass),
+TRL's loss per micro-batch over its own batch, one backward of their sum. So DDP reduces once, on the last pass, and
+transformers' step counting, logging, evaluation and checkpoints see what they see unmerged.
+
+Where merging is not exact or not supported, each micro-batch runs alone, said once (`why_unmerged`).
+"""
+
+import dataclasses
+import itertools
+from typing import Any
+
+from .config import AUTO
+from .forward_choice import ForwardChoice
+from .method.plan import group_passes, unpruned_tokens
+from .reference import HOST_KEY
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPasses:
+    """One optimizer step's micro-batches as passes, in order: each pass the collated batches it merges."""
+
+    passes: tuple[tuple[dict, ...], ...]
+
+    def ending_with(self, inputs: dict) -> tuple[dict, ...] | None:
+        """The pass `inputs` ends (its micro-batches in order, `inputs` last); () where a later micro-batch's pass runs
+        `inputs`; None where `inputs` is not one of this step's (it runs alone)."""
+        for members in self.passes:
+            for position, batch in enumerate(members):
+                if batch is inputs:
+                    return members if position == len(members) - 1 else ()
+        return None
+
+
+def default_budget(batches: list[dict]) -> int:
+    """Stock's padded tokens of the step's widest micro-batch (rows x width of its collated token ids): stock's peak
+    in this step. The plugin's activation memory per executed token is about stock's, so a pass of at most that many
+    executed tokens keeps the peak at or below stock's."""
+    return max(batch[HOST_KEY].input_ids.numel() for batch in batches)
+
+
+def step_passes(batches: list[dict], budget: int | None, share: bool) -> StepPasses:
+    """The step's micro-batches as consecutive passes of at most `budget` policy tokens (None: `default_budget`),
+    each micro-batch counted at its packed forward with nothing pruned (method/plan.unpruned_tokens)."""
+    tokens = [unpruned_tokens(batch[HOST_KEY], share) for batch in batches]
+    sizes = group_passes(tokens, default_budget(batches) if budget is None else budget)
+    starts = itertools.accumulate(sizes, initial=0)
+    return StepPasses(tuple(tuple(batches[start:start + size]) for start, size in zip(starts, sizes)))
+
+
+def merging_asked(args: Any, choice: ForwardChoice) -> bool:
+    """Whether the run asks to merge: gradient accumulation, a budget not 0, and the plugin's forward (or a budget
+    set on purpose with TRL's own, which is then said to be ignored)."""
+    budget = args.step_token_budget
+    return args.gradient_accumulation_steps > 1 and budget != 0 and (choice.pruned or budget is not None)
+
+
+def _is_lomo(args: Any) -> bool:
+    """Whether the optimizer is LOMO or AdaLomo (transformers passes them the learning rate at each backward)."""
+    from transformers.training_args import OptimizerNames
+
+    return args.optim in (OptimizerNames.LOMO, OptimizerNames.ADALOMO)
+
+
+def _context_parallel(accelerator: Any) -> bool:
+    """Whether accelerate splits sequences across ranks (its parallelism config's context parallelism)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return config is not None and bool(config.cp_enabled)
+
+
+def why_unmerged(args: Any, choice: ForwardChoice, accelerator: Any, aux_loss_enabled: bool,
+                 fsdp: bool) -> str | None:
+    """Why this run's micro-batches cannot be merged (each then runs alone, as unmerged), or None."""
+    from accelerate.utils import DistributedType
+
+    reasons = [
+        (not choice.pruned, "TRL's own forward trains (pruning and the exact savings are off)"),
+        (accelerator.distributed_type == DistributedType.DEEPSPEED,
+         "DeepSpeed counts backward calls to find the end of an optimizer step"),
+        (fsdp, "FSDP gathers each layer's weights in every forward on every rank, so all ranks must run as many "
+               "passes, and a pass holds as many micro-batches as their tokens allow"),
+        (_context_parallel(accelerator), "context parallelism splits each micro-batch's sequences across ranks"),
+        (args.n_gpu > 1, "DataParallel (several GPUs in one process) splits each micro-batch's rows"),
+        (_is_lomo(args), "LOMO optimizers update the weights inside each micro-batch's backward"),
+        (aux_loss_enabled, "the MoE router loss is counted over each micro-batch's padded rows"),
+        (not choice.packed, "the padded layout runs each micro-batch's own rows"),
+        (args.auto_keep_probs, '"auto" measures each micro-batch\'s gradient'),
+        (args.branch_keep_prob != AUTO and args.branch_keep_prob < 1, "branch pruning runs each micro-batch's frozen branches in a forward of their own"),
+    ]
+    return next((why for applies, why in reasons if applies), None)
+
+
+def merges_this_step(choice: ForwardChoice, batches: list[dict]) -> bool:
+    """Whether this step's batches can merge: all laid out packed, the layout settled (a family no test proves exact
+    is checked on the first packed batch, alone), more than one micro-batch."""
+    packed = all(HOST_KEY in batch and choice.layout(batch).packed for batch in batches)
+    return len(batches) > 1 and packed and not choice.unproven
