@@ -15,6 +15,7 @@ Where merging is not exact or not supported, each micro-batch runs alone, said o
 
 import dataclasses
 import itertools
+import warnings
 from typing import Any
 
 from .config import AUTO
@@ -102,3 +103,29 @@ def merges_this_step(choice: ForwardChoice, batches: list[dict]) -> bool:
     is checked on the first packed batch, alone), more than one micro-batch."""
     packed = all(HOST_KEY in batch and choice.layout(batch).packed for batch in batches)
     return len(batches) > 1 and packed and not choice.unproven
+
+
+class StepMerger:
+    """The trainer's merged-step state: why merging is off for this run (None: on), whether that was said, and this
+    optimizer step's passes (None: each micro-batch runs alone)."""
+
+    def __init__(self, why: str | None):
+        self.why = why
+        self.said = False
+        self.passes: StepPasses | None = None
+
+    def group(self, args: Any, choice: ForwardChoice, batches: list[dict]) -> None:
+        """An optimizer step's prefetched micro-batches grouped into passes, or why not said once."""
+        self.passes = None
+        if not merging_asked(args, choice):
+            return
+        if self.why is None and merges_this_step(choice, batches):
+            self.passes = step_passes(batches, args.step_token_budget, choice.share_prompt)
+        elif self.why is not None and not self.said:
+            self.said = True
+            warnings.warn(f"Merged step off (`step_token_budget`): each micro-batch runs its own forwards, as "
+                          f"unmerged: {self.why}.", stacklevel=3)
+
+    def pass_of(self, inputs: dict) -> tuple[dict, ...] | None:
+        """`StepPasses.ending_with` of this step's passes (None without passes)."""
+        return self.passes.ending_with(inputs) if self.passes is not None else None

@@ -90,7 +90,7 @@ def precompute_per_token(accelerator: Any, args: Any, collator: Any, model: torc
     Like TRL's precompute: under `accelerator.autocast()`, each process computes its shard of the batches of `model`
     (the reference, as TRL picks it), gathered in dataset order. The per-token values travel as one flat float32
     buffer with row offsets (an Arrow list column), never as a Python list per row. Kept in memory: no cache file (TRL
-    caches only the sums). `reference_log_probs(model, batch, scored)` and `reference_sums(batch, per_token)`: the
+    caches only the sums). `reference_log_probs(model, batch, scored)` and `reference_sums(per_token, batch)`: the
     reference forward in the trainer's layout.
     """
     loader = accelerator.prepare(DataLoader(
@@ -105,7 +105,7 @@ def precompute_per_token(accelerator: Any, args: Any, collator: Any, model: torc
         # As TRL's compute_ref_log_probs: bf16 stores what stock stores.
         with accelerator.autocast():
             per_token = reference_log_probs(model, batch, response)
-        chosen_sum, rejected_sum = reference_sums(batch, per_token)
+        chosen_sum, rejected_sum = reference_sums(per_token, batch)
         # pad every process's batch to the same width, then gather (dataset order; duplicates of the last batch
         # dropped, like TRL's gather_for_metrics of the sums)
         per_token = accelerator.pad_across_processes(per_token.float(), dim=1)

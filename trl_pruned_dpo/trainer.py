@@ -20,8 +20,8 @@ forward, then the loss and metrics), in the order of docs/method.md:
   called from here; none of them imports the trainer.
 """
 
-import warnings
 from collections.abc import Iterator
+import functools
 from typing import Any
 
 import torch
@@ -69,6 +69,12 @@ def _before_train(trainer: "PrunedDPOTrainer", resume_from_checkpoint: str | boo
     return resume
 
 
+def _trl_reference_sums(trainer: "PrunedDPOTrainer", per_token: torch.Tensor,
+                        batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's `compute_ref_log_probs` (the per-branch sums, with `ld_alpha`) of per-token reference log-probs."""
+    return DPOTrainer.compute_ref_log_probs(trainer, Replay(log_probs=per_token), batch)
+
+
 class PrunedDPOTrainer(DPOTrainer):
     """DPO with stochastic pruning of the computation graph. Same constructor as `trl.DPOTrainer`.
 
@@ -79,8 +85,7 @@ class PrunedDPOTrainer(DPOTrainer):
     """
 
     _tag_names = ["trl", "dpo", "trl-pruned-dpo"]
-    # The plugin's forward even with every pruning and saving off: the benchmarks' `none` row (its machinery at
-    # identity). Not for training: pruning off is TRL's own path by design.
+    # The plugin's forward with everything off: the benchmarks' `none` row. Not for training (off is TRL's own path).
     always_pruned_forward = False
 
     def __init__(self, model: torch.nn.Module | str, ref_model: torch.nn.Module | str | None = None,
@@ -100,10 +105,8 @@ class PrunedDPOTrainer(DPOTrainer):
         self._context: ForwardContext | None = None
         # (global step, micro-step) of the last draw.
         self._mask_step = (-1, 0)
-        # The merged step (merged_step.py): this optimizer step's passes, and the pass the running micro-batch ends.
-        self._step_passes: merged_step.StepPasses | None = None
+        # The merged step (merged_step.py): the pass the running micro-batch ends.
         self._pass: tuple[dict, ...] | None = None
-        self._said_unmerged = False
         with trl_padding_free_notice_hidden(uses_pruned_forward(args) and args.padding_free):
             super().__init__(model, ref_model, args, *pargs, **kwargs)
         self._pending = metrics.PendingMetrics(self.accelerator)
@@ -122,9 +125,9 @@ class PrunedDPOTrainer(DPOTrainer):
             self._auto = AutoKeepProbs(args, policy.config, adapters=is_peft_model(policy))
             # It hooks the gradients of the model as training wraps it (auto.py).
             self.add_callback(self._auto)
-        # Why the micro-batches of a step cannot be merged (None: they can), from what is known once TRL is built.
-        self._unmerged_why = merged_step.why_unmerged(args, self._forward_choice, self.accelerator,
-                                                      self.aux_loss_enabled, self.is_fsdp_enabled)
+        # Whether a step's micro-batches can merge, from what is known once TRL is built (merged_step.py).
+        self._merger = merged_step.StepMerger(merged_step.why_unmerged(
+            args, self._forward_choice, self.accelerator, self.aux_loss_enabled, self.is_fsdp_enabled))
         # Whether this run can drop a branch at all ("auto" on adapter training never does).
         self._drops_branches = (self._auto is not None and "branch" in self._auto.families) or (
             args.branch_keep_prob != AUTO and args.branch_keep_prob < 1)
@@ -147,17 +150,14 @@ class PrunedDPOTrainer(DPOTrainer):
     def forward_context(self) -> ForwardContext:
         """What the pruned forward needs of this trainer, built once (again only if training re-wrapped the policy)."""
         if self._context is None or self._context.policy is not self.model:
-            args = self.args
-
-            def reference_sums(per_token: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-                return DPOTrainer.compute_ref_log_probs(self, Replay(log_probs=per_token), batch)
-
+            # TRL's own per-branch sums (ld_alpha), of per-token values.
+            reference_sums = functools.partial(_trl_reference_sums, self)
             self._context = ForwardContext(
                 policy=self.model, unwrapped_policy=self.accelerator.unwrap_model(self.model),
                 reference=self.ref_model, accelerator=self.accelerator,
-                checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-                precomputed_reference=self.precompute_ref_logps, prune_reference=args.prune_reference,
-                prune_common_prefix=args.prune_common_prefix, use_weighting=self.use_weighting,
+                checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+                precomputed_reference=self.precompute_ref_logps, prune_reference=self.args.prune_reference,
+                prune_common_prefix=self.args.prune_common_prefix, use_weighting=self.use_weighting,
                 aux_loss_enabled=self.aux_loss_enabled, reference_sums=reference_sums)
         return self._context
 
@@ -170,18 +170,10 @@ class PrunedDPOTrainer(DPOTrainer):
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: torch.device) -> tuple[list, torch.Tensor | int | None]:
-        """transformers' prefetch of an optimizer step's micro-batches, unchanged; grouped here into the merged step's
-        passes (merged_step.py: `_step_passes`, None where each micro-batch runs alone), why not said once."""
+        """transformers' prefetch of an optimizer step's micro-batches, unchanged; grouped into the merged step's
+        passes (merged_step.StepMerger)."""
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._step_passes = None
-        if merged_step.merging_asked(self.args, self._forward_choice):
-            if self._unmerged_why is None and merged_step.merges_this_step(self._forward_choice, batches):
-                self._step_passes = merged_step.step_passes(batches, self.args.step_token_budget,
-                                                            self._forward_choice.share_prompt)
-            elif self._unmerged_why is not None and not self._said_unmerged:
-                self._said_unmerged = True
-                warnings.warn(f"Merged step off (`step_token_budget`): each micro-batch runs its own forwards, as "
-                              f"unmerged: {self._unmerged_why}.", stacklevel=2)
+        self._merger.group(self.args, self._forward_choice, batches)
         return batches, num_items_in_batch
 
     def _set_signature_columns_if_needed(self):
@@ -204,23 +196,19 @@ class PrunedDPOTrainer(DPOTrainer):
             group = plan_reference(host, scored.cpu(), layout.share, layout.packed)
             return reference_log_probs(context, model, group, batch)
 
-        def sums(batch: dict, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return context.reference_sums(per_token, batch)
-
         # As TRL: the policy (prepared once for DeepSpeed) where no reference model is given.
         if self.ref_model is None and self.is_deepspeed_enabled:
             model = deepspeed_reference_engine(self)
         else:
             model = self.ref_model or self.model
         return precompute_per_token(self.accelerator, self.args, self.data_collator, model, dataset, batch_size,
-                                    log_probs, sums)
+                                    log_probs, context.reference_sums)
 
-    # ----------------------------------------------------------------------------------------------- plan: the masks
+    # ------------------------------------------------------------------------------ plan on the host, run on the device
     def draw_masks(self, host: HostBatch, options: dict, generator: torch.Generator) -> PruneMasks:
         """This micro-step's masks under `options` (`masks.draw_masks`'s sampling keywords, "auto" ones chosen), drawn
         from the batch's host copy of its token layout (no device sync) with `generator`, keyed by (prune_seed, global
-        step, micro-step, rank): resuming draws the same masks. A subclass may draw its own (evaluation/prototypes.py).
-        """
+        step, micro-step, rank): resuming draws the same masks. A subclass may draw its own (evaluation/prototypes)."""
         return draw_masks(host.input_ids, host.completion_mask, **options, generator=generator,
                           attention_mask=host.attention_mask)
 
@@ -247,18 +235,15 @@ class PrunedDPOTrainer(DPOTrainer):
         draw = self._auto.draw(*self._mask_step, host) if self._auto is not None else AutoDraw({}, None, ())
         options.update(draw.keep_probs)
         # A number keeps its branches structurally: the same on every process; "auto" says per step.
-        prunes_branches = draw.prunes_branches
-        if prunes_branches is None:
-            prunes_branches = self.args.branch_keep_prob < 1
+        prunes_branches = self.args.branch_keep_prob < 1 if draw.prunes_branches is None else draw.prunes_branches
         generator = mask_generator(self.args.prune_seed, *self._mask_step, self.accelerator.process_index)
         masks = self.draw_masks(host, options, generator).to("cpu")
-        reference_scored = None
-        if not self.precompute_ref_logps:
-            reference_scored = masks.scored if self.args.prune_reference else masks.exact
+        # The reference runs where it is not precomputed, on the policy's masks with `prune_reference`.
+        live = not self.precompute_ref_logps
+        reference_scored = (masks.scored if self.args.prune_reference else masks.exact) if live else None
         return plan_micro_step(self._mask_step, options, host, masks, layout,
                                prunes_branches=prunes_branches, reference_scored=reference_scored, means=draw.means)
 
-    # ------------------------------------------------------------------------------------------ execute: the forwards
     def concatenated_forward(self, model: torch.nn.Module, inputs: dict) -> MicroStepRecord:
         """The pruned forward of the [chosen; rejected] batch: planned on the host (`plan`), run on the device
         (pruned_forward.run_micro_step). Its record holds the policy's per-token outputs as inverse-probability-weighted
@@ -324,7 +309,7 @@ class PrunedDPOTrainer(DPOTrainer):
                 output = super().train(resume, *pargs, **kwargs)
         finally:
             self._pending.deferred = False
-            self._step_passes = None
+            self._merger.passes = None
             # Auto's gradient hooks, also after a `train()` that raised.
             if self._auto is not None:
                 self._auto.detach()
@@ -353,7 +338,7 @@ class PrunedDPOTrainer(DPOTrainer):
         window = self.run_state.take_window()
         if window is not None:
             self.run_state.restored_logging_window = restore_logging_window(self, window)
-        members = self._step_passes.ending_with(inputs) if self._step_passes is not None else None
+        members = self._merger.pass_of(inputs)
         # A merged step's micro-batch that does not end its pass runs in its pass, at the pass's last micro-batch.
         if members == ():
             return torch.zeros((), device=self.args.device)
