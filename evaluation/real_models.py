@@ -211,27 +211,29 @@ def run_prereg(models, tasks, settings, seeds, stock_seeds, plan: RunPlan, store
         spec = MODELS[model]
         for task in tasks:
             prepared, reference = None, {}
+
+            def run_once(setting: str, seed: int, cell_plan: RunPlan, arm: str) -> int:
+                """One cell of this model and task unless it is stored; 1 if it ran."""
+                nonlocal prepared
+                key = cell_key(model, task, setting, seed, spec, cell_plan)
+                if key in done:
+                    return 0
+                prepared = prepared or _prepare(model, task, spec, plan, work)
+                done[key] = _run_cell(store_path, model, task, setting, seed, spec, cell_plan, steps_name, prepared,
+                                      reference, arm=arm)
+                return 1
+
             for seed in seeds:
                 first = [s for s in settings if s != "stock" or seed in stock_seeds]
                 for setting in first:
-                    key = cell_key(model, task, setting, seed, spec, plan)
-                    if key not in done:
-                        prepared = prepared or _prepare(model, task, spec, plan, work)
-                        done[key] = _run_cell(store_path, model, task, setting, seed, spec, plan, steps_name,
-                                              prepared, reference, arm="steps")
-                        ran += 1
+                    ran += run_once(setting, seed, plan, "steps")
                 exact = done.get(cell_key(model, task, "exact", seed, spec, plan))
                 if exact is None:
                     _log(f"{model} x {task} x seed {seed}: no exact-preset cell, so no equal-time arm")
                     continue
                 for setting in (s for s in first if s not in ("exact", "stock")):
                     timed = equal_time_plan(plan, exact, done[cell_key(model, task, setting, seed, spec, plan)])
-                    key = cell_key(model, task, setting, seed, spec, timed)
-                    if key not in done:
-                        prepared = prepared or _prepare(model, task, spec, plan, work)
-                        done[key] = _run_cell(store_path, model, task, setting, seed, spec, timed, steps_name,
-                                              prepared, reference, arm="time")
-                        ran += 1
+                    ran += run_once(setting, seed, timed, "time")
             if prepared is None:
                 _log(f"{model} x {task}: every cell stored")
     return ran
