@@ -24,7 +24,8 @@ RESULTS="${GPU_CHECK_OUT:-${OUT:-out/gpu_check}}"
 REQUIRED="trl-1.16.0 datasets-5.2.0 dill-0.4.1 multiprocess-0.70.19"  # PITFALLS.md: what the device lacks
 export PYTHONPATH=".:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$RESULTS"
-exec > >(tee -a "$RESULTS/gpu_check.log") 2>&1
+LOG="$RESULTS/gpu_check.log"
+say() { echo "$*" | tee -a "$LOG"; }
 
 if ! "$PY" -c "import trl, datasets" 2>/dev/null; then
   wheels=() missing=()
@@ -33,7 +34,7 @@ if ! "$PY" -c "import trl, datasets" 2>/dev/null; then
     if [ -n "$found" ]; then wheels+=("$found"); else missing+=("$dist"); fi
   done
   if [ ${#missing[@]} -gt 0 ]; then
-    echo "gpu_check: trl/datasets are not importable and $WHEELS lacks the wheels of ${missing[*]} (benchmarks/wheels/README.md: pip download ...)"
+    say "gpu_check: trl/datasets are not importable and $WHEELS lacks the wheels of ${missing[*]} (benchmarks/wheels/README.md: pip download ...)"
     exit 3
   fi
   install=$("$PY" - "${wheels[@]}" <<'PYEOF'
@@ -52,9 +53,12 @@ PYEOF
   # shellcheck disable=SC2086
   [ -z "$install" ] || "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \
     ${GPU_CHECK_WHEEL_PYTHON:+--python-version "$GPU_CHECK_WHEEL_PYTHON"} $install \
-    || { echo "gpu_check: pip could not install the wheels of $WHEELS into $SITE"; exit 3; }
-  "$PY" -c "import trl, datasets" || { echo "gpu_check: trl/datasets still fail to import (a dependency missing?)"; exit 3; }
-  echo "gpu_check: installed into $SITE: $(echo $install | xargs -n1 basename | tr '\n' ' ')"
+    2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || { say "gpu_check: pip could not install the wheels of $WHEELS into $SITE"; exit 3; }
+  "$PY" -c "import trl, datasets" 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || { say "gpu_check: trl/datasets still fail to import (a dependency missing?)"; exit 3; }
+  say "gpu_check: installed into $SITE: $(echo $install | xargs -n1 basename | tr '\n' ' ')"
 fi
 timeout --signal=INT --kill-after=20 "${GPU_CHECK_TIMEOUT:-330}" \
-  "$PY" -m benchmarks.gpu_check --budget "${GPU_CHECK_BUDGET:-280}" --out "$RESULTS" "$@"
+  "$PY" -m benchmarks.gpu_check --budget "${GPU_CHECK_BUDGET:-280}" --out "$RESULTS" "$@" 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"
