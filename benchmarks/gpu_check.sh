@@ -6,8 +6,8 @@
 # Other arguments go to benchmarks/gpu_check.py (--rows REGEX, --list, --budget S, ...; its docstring has the rows).
 # Results: gpu_check.json (raw rows), gpu_check.txt (the table) and gpu_check.log (this output) in $OUT, where the
 # device machine hands files back, else out/gpu_check (GPU_CHECK_OUT overrides both); each row is written as it ends.
-# Time: no row starts after GPU_CHECK_BUDGET seconds (default 280, counted after the imports); at GPU_CHECK_TIMEOUT
-# (default 330) the run gets SIGINT, finishes its current step, lists the rest as skipped and writes the table; 20 s
+# Time: no row starts after GPU_CHECK_BUDGET seconds (default 270, counted after the imports); at GPU_CHECK_TIMEOUT
+# (default 320) the run gets SIGINT, finishes its current step, lists the rest as skipped and writes the table; 15 s
 # later it is killed. The whole command stays under 6 minutes: a 15-minute device lease holds its start (1-2 min),
 # the run and one rerun.
 # The device machine (Python 3.12, torch 2.11 + cu130, transformers 5.17, accelerate 1.15, peft) has no trl,
@@ -59,6 +59,6 @@ PYEOF
   [ "${PIPESTATUS[0]}" = 0 ] || { say "gpu_check: trl/datasets still fail to import (a dependency missing?)"; exit 3; }
   say "gpu_check: installed into $SITE: $(echo $install | xargs -n1 basename | tr '\n' ' ')"
 fi
-timeout --signal=INT --kill-after=20 "${GPU_CHECK_TIMEOUT:-330}" \
-  "$PY" -m benchmarks.gpu_check --budget "${GPU_CHECK_BUDGET:-280}" --out "$RESULTS" "$@" 2>&1 | tee -a "$LOG"
+timeout --signal=INT --kill-after=15 "${GPU_CHECK_TIMEOUT:-320}" \
+  "$PY" -m benchmarks.gpu_check --budget "${GPU_CHECK_BUDGET:-270}" --out "$RESULTS" "$@" 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"
