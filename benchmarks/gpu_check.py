@@ -451,7 +451,11 @@ def recording_kernels():
     from trl_pruned_dpo.seam import attention
 
     counts: collections.Counter = collections.Counter()
-    choose = attention._kernel
+    choose = getattr(attention, "_kernel", None)
+    if choose is None:  # the chooser renamed (h48-attn's log, `logged_kernel`, is then the record): count nothing
+        counts["kernel chooser not found"] = 0
+        yield counts
+        return
 
     def counting(q, *args, **kwargs):
         kernel = choose(q, *args, **kwargs)
@@ -732,7 +736,7 @@ class Session:
 
 
 # ----------------------------------------------------------------------------------------------------- table
-COLUMNS = (("cell", 22), ("row", 10), ("pairs", 6), ("step s", 7), ("vs stock", 8), ("tok/s", 8), ("GPU s", 7),
+COLUMNS = (("cell", 26), ("row", 10), ("pairs", 6), ("step s", 7), ("vs stock", 8), ("tok/s", 8), ("GPU s", 7),
            ("busy%", 5), ("launches", 8), ("syncs", 6), ("peak GiB", 8), ("kernel", 8), ("|dloss|", 8),
            ("grad cos", 8), ("floor dl", 8), ("floor cos", 9))
 KERNEL_SHORT = {"torch_varlen": "varlen", "flash_attn_varlen": "flash", "sdpa_per_segment": "sdpa-seg"}
@@ -747,7 +751,8 @@ def kernel_label(row: dict) -> str:
     for stock), from the plugin's own log where it has one (`logged_kernel`), else the counts."""
     if row.get("logged_kernel"):
         return str(row["logged_kernel"])[:8]
-    names = sorted({KERNEL_SHORT.get(k.split()[0], k.split()[0]) for k in row.get("attention_kernels") or {}})
+    names = sorted({KERNEL_SHORT.get(k.split()[0], k.split()[0]) for k, n in (row.get("attention_kernels") or {}).items()
+                    if n})
     return "+".join(names) or "-"
 
 
@@ -757,7 +762,7 @@ def format_table(results: list[dict], dry: bool) -> str:
     floors = {(r["shape"], r["lora"]): r for r in results if r["row"] == "noise" and "grad_cos" in r}
     gpu_na = "n/a" if dry else "-"
     for r in results:
-        cell = f"{r['cell']:<22} {r['row']:<10}"
+        cell = f"{r['cell']:<26} {r['row']:<10}"
         if r["status"] != "ok":
             lines.append(f"{cell} {r['status'].upper()}: {r.get('error', '')[:110]}")
             continue
@@ -897,7 +902,7 @@ def describe_plan(rows: list[Planned], session: Session) -> str:
         note = (memory_skip(session, r.cell, r.kind) if r.cell is not None else None) or (
             "peft missing: skipped" if r.cell is not None and r.cell.lora and importlib.util.find_spec("peft") is None
             else "")
-        lines.append(f"  {r.part:<8} {name:<24} {r.kind:<10} {note}".rstrip())
+        lines.append(f"  {r.part:<8} {name:<26} {r.kind:<10} {note}".rstrip())
     return "\n".join(lines)
 
 

@@ -27,14 +27,15 @@ HIDDEN = ("trl", "datasets", "dill", "multiprocess")  # what the device machine 
 
 
 def python_without(tmp_path, hidden=HIDDEN):
-    """A `python3` that lacks `hidden`, as the device machine does: this environment's site-packages seen through
-    symlinks with those left out, run with -S so that the real folder is not on the path."""
-    site = next(p for p in sys.path if p.endswith("site-packages") and os.path.isdir(os.path.join(p, "torch")))
+    """A `python3` that lacks `hidden`, as the device machine does: this environment's site-packages folders seen
+    through symlinks with those left out (the first folder's entry wins, as on sys.path), run with -S so that the
+    real folders are not on the path."""
     shadow = tmp_path / "site-packages"
     shadow.mkdir()
-    for entry in os.listdir(site):
-        if re.split(r"[-.]", entry)[0].lower() not in hidden:
-            (shadow / entry).symlink_to(os.path.join(site, entry))
+    for site in [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]:
+        for entry in os.listdir(site):
+            if re.split(r"[-.]", entry)[0].lower() not in hidden and not os.path.lexists(shadow / entry):
+                (shadow / entry).symlink_to(os.path.join(site, entry))
     wrapper = tmp_path / "python3"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{shadow}" exec {sys.executable} -S "$@"\n')
     wrapper.chmod(0o755)
