@@ -9,7 +9,9 @@
 # Time: no row starts after GPU_CHECK_BUDGET seconds (default 270, counted after the imports); at GPU_CHECK_TIMEOUT
 # (default 320) the run gets SIGINT, finishes its current step, lists the rest as skipped and writes the table; 15 s
 # later it is killed. The whole command stays under 6 minutes: a 15-minute device lease holds its start (1-2 min),
-# the run and one rerun.
+# the run and one rerun. Exit status: 0 done (rows past the budget listed as skipped), 130 stopped by
+# GPU_CHECK_TIMEOUT or a signal (the table written; never timeout's 124, which the device tool reads as its own
+# limit), 137 killed, 2 no CUDA device, 3 wheels missing.
 # The device machine (Python 3.12, torch 2.11 + cu130, transformers 5.17, accelerate 1.15, peft) has no trl,
 # datasets, dill or multiprocess and no network: the four wheels committed in benchmarks/wheels (WHEELS=<dir>
 # overrides) are installed with `pip install --no-index --no-deps --target` into GPU_CHECK_SITE (default
@@ -59,6 +61,6 @@ PYEOF
   [ "${PIPESTATUS[0]}" = 0 ] || { say "gpu_check: trl/datasets still fail to import (a dependency missing?)"; exit 3; }
   say "gpu_check: installed into $SITE: $(echo $install | xargs -n1 basename | tr '\n' ' ')"
 fi
-timeout --signal=INT --kill-after=15 "${GPU_CHECK_TIMEOUT:-320}" \
+timeout --preserve-status --signal=INT --kill-after=15 "${GPU_CHECK_TIMEOUT:-320}" \
   "$PY" -m benchmarks.gpu_check --budget "${GPU_CHECK_BUDGET:-270}" --out "$RESULTS" "$@" 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"
