@@ -1,7 +1,8 @@
 """GPU check of the plugin against stock TRL on one CUDA device: one table, one results file (issues 44, 48, 50).
 
     bash benchmarks/gpu_check.sh            # the device's one command (docs/benchmarks.md, "GPU check")
-    bash benchmarks/gpu_check.sh --big      # the second command: the 3B and 7B-LoRA rows alone
+    bash benchmarks/gpu_check.sh --rest     # the rerun slot: the rows the first run's budget usually cuts
+    bash benchmarks/gpu_check.sh --big      # a later lease: the 3B and 7B-LoRA rows alone
     python -m benchmarks.gpu_check --dry-run --warmup 1 --steps 1    # the same rows on a tiny CPU model (CI)
     python -m benchmarks.gpu_check --list --gpu-gib 79.6             # the plan and its skips, nothing run
 
@@ -193,6 +194,10 @@ class Planned:
     part: str
 
 
+# `--rest`: what the first run's budget usually cuts (1.5B at 2 x 16, the matrix, the noise floors, compile), with the
+# stock rows the noise floors compare with and one plugin row for compile to start from: the rerun slot's command
+# when the first run ended well.
+REST_ROWS = r"^(core/(0\.5B|1\.5B) UF 8x4/stock|core/0\.5B UF 8x4/defaults|core/1\.5B UF 2x16/|matrix/|noise/|compile/)"
 PARTS = ("core", "matrix", "noise", "compile", "extra")  # the default run, in this order; "big" with --big only
 
 
@@ -932,13 +937,17 @@ def main(argv=None):
                         help="seconds a compile row is expected to take (it starts only with this much budget left)")
     parser.add_argument("--rows", default="", help="a regular expression on 'part/cell/row': run only the rows it "
                         "matches (the compile rows' cell is chosen when they come)")
-    parser.add_argument("--big", action="store_true", help="the 3B and 7B-LoRA rows alone (the second command)")
+    parser.add_argument("--big", action="store_true", help="the 3B and 7B-LoRA rows alone (a later lease)")
+    parser.add_argument("--rest", action="store_true", help=f"the rows the first run's budget usually cuts (--rows "
+                        f"{REST_ROWS!r}); files gpu_check_rest.*")
     parser.add_argument("--gpu-gib", type=float, default=None,
                         help="without a GPU (--list, --dry-run): the total GPU memory to plan the skips for")
     parser.add_argument("--out", default=default_out())
     parser.add_argument("--list", action="store_true", help="print the plan and its skips, run nothing")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU: checks the script, not the GPU")
     args = parser.parse_args(argv)
+    if args.rest:
+        args.rows = REST_ROWS
     quiet()
     import datasets
     import transformers
@@ -974,7 +983,7 @@ def main(argv=None):
     print("gpu_check:", json.dumps(meta), flush=True)
     os.makedirs(args.out, exist_ok=True)
     results: list[dict] = []
-    stem = "gpu_check_big" if args.big else "gpu_check"  # the second command's files beside the first's
+    stem = "gpu_check_big" if args.big else "gpu_check_rest" if args.rest else "gpu_check"  # beside the first's
 
     def save():
         meta["elapsed_s"] = round(session.elapsed(), 1)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, one command from the repository root (docs/benchmarks.md, "GPU check"):
 #     GPU_CHECK_COMMIT=<commit> bash benchmarks/gpu_check.sh          # the device's command (timeout_s 360)
-#     GPU_CHECK_COMMIT=<commit> bash benchmarks/gpu_check.sh --big    # the second: 3B and 7B-LoRA rows alone
+#     GPU_CHECK_COMMIT=<commit> bash benchmarks/gpu_check.sh --rest   # the rerun slot when the first ended well
+#     GPU_CHECK_COMMIT=<commit> bash benchmarks/gpu_check.sh --big    # a later lease: 3B and 7B-LoRA rows alone
 #     bash benchmarks/gpu_check.sh --dry-run --warmup 1 --steps 1     # everything up to the GPU, on CPU
 # Other arguments go to benchmarks/gpu_check.py (--rows REGEX, --list, --budget S, ...; its docstring has the rows).
 # Results: gpu_check.json (raw rows), gpu_check.txt (the table) and gpu_check.log (this output) in $OUT, where the
