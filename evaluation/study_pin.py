@@ -7,8 +7,8 @@ reused from other code or data, and the one commit the study runs from.
   stops the study instead of crediting its cells to a commit that did not produce them.
 - `data_hash`: a hash of a task's train and held-out pairs as the cells use them.
 - The pin: `study_pin.txt` next to the store holds the one commit the study runs from (`--pin` writes it). Study
-  cells refuse to run from another commit or from a dirty checkout (`--smoke` and `--allow-dirty` skip both checks,
-  and their records say so).
+  cells refuse to run from another commit, from a dirty checkout, or with the package imported from elsewhere (an
+  editable install of another checkout) (`--smoke` and `--allow-dirty` skip these checks, and their records say so).
 """
 
 import hashlib
@@ -125,6 +125,12 @@ def write_pin(store_dir: Path) -> str:
 def check_runnable(provenance: Provenance, store_dir: Path, bypass: bool) -> None:
     """Refuse to run study cells from a dirty checkout or from a commit other than the pinned one (`bypass`: the
     smoke protocol and `--allow-dirty`, whose cells carry their dirty flag and commit in their key)."""
+    import trl_pruned_dpo
+
+    package = Path(trl_pruned_dpo.__file__).resolve()
+    if REPO not in package.parents and not bypass:  # e.g. an editable install of another checkout
+        raise SystemExit(f"trl_pruned_dpo is imported from {package.parent}, not from this checkout ({REPO}): run "
+                         "from the checkout's root (python -m ...), or with PYTHONPATH set to it")
     if bypass:
         return
     if provenance.dirty:
