@@ -13,9 +13,9 @@ N = round(steps x cost(exact preset) / cost(setting)).
 The result is one JSON file next to the store (`study_calibration.json`, one entry per task), committed before any
 equal-time cell runs; the equal-time arm refuses to run without it (real_models.py).
 
-`auto`'s cost is that of its first steps, its warm-up probes (exact and position-at-1/2 steps): if it later keeps
-fewer positions its steps get cheaper, so its N may be below what its own CPU would allow; the CPU each equal-time
-run used is recorded and reported beside it.
+`auto`'s cost is that of its first steps, its warm-up probes (exact and position-at-1/2 steps, each measuring gradient
+norms): if it later keeps fewer positions, or measures less, its steps get cheaper, so its N may be below what its own
+CPU would allow (an error against `auto`); the CPU each equal-time run used is recorded and reported beside it.
 """
 
 import ctypes
@@ -37,7 +37,6 @@ from .real_run import SETTINGS, build_trainer, user_cpu_seconds
 CALIBRATION_FILE = "study_calibration.json"
 WARMUP_STEPS, ROUNDS, STEPS_PER_ROUND = 1, 3, 4
 CALIBRATION_SEED = 100  # not a study seed: nothing measured here is scored
-TIMED = ("exact", "branch", "position", "all", "auto")  # the settings with an equal-time arm, and the exact preset
 
 
 class _Turns:
@@ -168,10 +167,11 @@ def summarize(measured: dict, steps: int) -> dict:
 
 
 def calibrate(task: str, model: str, model_path: str, spec, plan, train_rows, eval_rows, provenance: dict,
-              data: str, path: Path, log, **schedule) -> dict:
-    """Measure, then write this task's entry of the calibration file at `path` (other tasks' entries kept)."""
+              data: str, path: Path, log, settings: list[str], **schedule) -> dict:
+    """Measure `settings` (the exact preset first), then write this task's entry of the calibration file at `path`
+    (other tasks' entries kept)."""
     load = os.getloadavg()[0]
-    measured = measure(model_path, spec, plan, TIMED, train_rows, eval_rows, log, **schedule)
+    measured = measure(model_path, spec, plan, settings, train_rows, eval_rows, log, **schedule)
     entry = {"model": model, "steps": plan.steps, "seed": CALIBRATION_SEED,
              "warmup_steps": schedule.get("warmup", WARMUP_STEPS), "rounds": schedule.get("rounds", ROUNDS),
              "steps_per_round": schedule.get("per_round", STEPS_PER_ROUND), **summarize(measured, plan.steps),

@@ -75,27 +75,26 @@ def test_prereg_plan_calibrates_runs_both_arms_resumes_and_reports(tmp_path):
 
     from evaluation.real_models import PLANS, run_prereg, stored
     from evaluation.real_run import held_out_readouts
-    from evaluation.study_calibration import TIMED
     from evaluation.study_report import write_study_report
 
     calibration_path = tmp_path / "study_calibration.json"
     _run(tmp_path, "--plan", "prereg", "--smoke", "--calibrate", "--tasks", "docstrings-near")
     calibration = json.loads(calibration_path.read_text())["docstrings-near"]
-    assert set(calibration["equal_time_steps"]) == set(TIMED) and calibration["threads"] == 1
+    assert set(calibration["equal_time_steps"]) == {"exact", "position", "auto"} and calibration["threads"] == 1
     assert calibration["order"][0] != calibration["order"][1]  # round-robin, rotated each round
     assert all(len(v) == 2 for v in calibration["step_user"].values())  # 2 rounds x 1 step after the warm-up
     assert calibration["equal_time_steps"]["exact"] == 4
-    # N as if branch were dearer and auto cheaper than the exact preset (at 4 tiny steps, the measured N are noise)
-    calibration["equal_time_steps"].update(branch=3, auto=5)
+    # N as if position were dearer and auto cheaper than the exact preset (at 4 tiny steps, measured N are noise)
+    calibration["equal_time_steps"].update(position=3, auto=5)
     calibration_path.write_text(json.dumps({"docstrings-near": calibration}))
 
-    settings = ["auto", "branch", "stock", "exact"]
+    settings = ["auto", "position", "stock", "exact"]
     assert "6 cell(s) run" in _run(tmp_path, "--plan", "prereg", "--smoke", "--tasks", "docstrings-near",
                                    "--settings", *settings)
     records = stored(tmp_path / "cells.jsonl")
     assert [(r["setting"], r["arm"], r["steps"]) for r in records] == [
-        ("exact", "steps", 4), ("stock", "steps", 4), ("branch", "steps", 4), ("auto", "steps", 4),
-        ("branch", "time", 3), ("auto", "time", 5)]
+        ("exact", "steps", 4), ("stock", "steps", 4), ("position", "steps", 4), ("auto", "steps", 4),
+        ("position", "time", 3), ("auto", "time", 5)]
     exact, timed = records[0], records[4]
     assert [p["step"] for p in exact["curve"]] == [0, 1, 2, 4] and [p["step"] for p in timed["curve"]] == [0, 3]
     for record in records:
@@ -122,7 +121,7 @@ def test_prereg_plan_calibrates_runs_both_arms_resumes_and_reports(tmp_path):
     assert write_study_report(records, report) == 0
     text = report.getvalue()
     assert "Equal steps, held-out loss (primary" in text and "Equal steps, held-out accuracy (secondary" in text
-    assert "| exact + branch 0.5 |" in text and "Equal time" in text
+    assert "| exact + position 0.5 |" in text and "Equal time" in text
     assert re.search(r"Stock against the exact preset, seed 0: (HOLDS|FAILS)", text)
     assert "**experimental**" in text and "`auto`'s choices over its runs: branch 1 / position 1" in text
 
