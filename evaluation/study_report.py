@@ -179,6 +179,17 @@ def noninferior(diffs: list[float], readout: str) -> tuple[bool | None, str]:
                 f"{p.high:+.4f}]; lower bound {'above' if ok else 'NOT above'} -{delta:g}")
 
 
+def wording(loss: Paired | None, margin: Paired | None) -> str:
+    """A fixed setting's equal-time reading in words (docs/study.md, "Changes" 2): *costs quality* when the loss
+    interval lies wholly above 0 or the margin interval wholly below 0, *gains* when the reverse, *no difference
+    measured* otherwise; descriptive only."""
+    if loss is None or margin is None or loss.half is None or margin.half is None:
+        return "–"
+    costs = loss.low > 0 or margin.high < 0
+    gains = loss.high < 0 or margin.low > 0
+    return "mixed" if costs and gains else "costs quality" if costs else "gains" if gains else "no difference measured"
+
+
 def auto_verdict(cells: dict, steps: int) -> tuple[str, str]:
     """("met" | "missed" | "experimental", the reasons) of `auto` on one task: non-inferior to the exact preset at
     equal time on both primary readouts. Fewer than MIN_SEEDS paired seeds: "experimental" (docs/study.md); an
@@ -188,7 +199,7 @@ def auto_verdict(cells: dict, steps: int) -> tuple[str, str]:
         return "experimental", "no equal-time cells of auto or the exact preset"
     results = [noninferior(differences(timed["auto"], timed["exact"], readout, None), readout)
                for readout in NONINFERIORITY]
-    reasons = "; ".join(why for _, why in results)
+    reasons = "; ".join(dict.fromkeys(why for _, why in results))
     if any(ok is None and "paired seeds" in why for ok, why in results):
         return "experimental", reasons
     return ("met" if all(ok for ok, _ in results) else "missed"), reasons
@@ -286,18 +297,19 @@ def report(model: str, task: str, cells: dict) -> str:
     timed = equal_time(cells, steps_total)
     lines += ["", f"Equal time (each setting over its N steps from the calibration, against the exact preset at step "
               f"{steps_total}):", "",
-              "| setting | seeds | N | user CPU / exact's | " + " | ".join(f"{r} vs exact" for r in READOUTS) + " |",
-              "|---|---|---|---|" + "---|" * len(READOUTS)]
+              "| setting | seeds | N | user CPU / exact's | " + " | ".join(f"{r} vs exact" for r in READOUTS)
+              + " | reading |", "|---|---|---|---|" + "---|" * len(READOUTS) + "---|"]
     for setting, by_seed in timed.items():
         if setting == "exact" or not by_seed:
             continue
         n_steps = sorted({r["steps"] for r in by_seed.values()})
         used = [sum(r["step_user"]) / sum(exact[seed]["step_user"]) for seed, r in by_seed.items() if seed in exact]
-        cells_ = [(_show(readout, paired(d)) if (d := differences(by_seed, exact, readout, None)) else "–")
-                  for readout in READOUTS]
+        intervals = {readout: (paired(d) if (d := differences(by_seed, exact, readout, None)) else None)
+                     for readout in READOUTS}
+        cells_ = [_show(readout, p) if p else "–" for readout, p in intervals.items()]
         lines.append(f"| {LABELS[setting]} | {len(by_seed)} | {'/'.join(map(str, n_steps))} | "
                      + (f"{statistics.median(used):.3f} [{min(used):.3f}, {max(used):.3f}]" if used else "–")
-                     + " | " + " | ".join(cells_) + " |")
+                     + " | " + " | ".join(cells_) + f" | {wording(intervals['loss'], intervals['margin'])} |")
 
     lines += [""] + stock_judged(cells, steps)
 

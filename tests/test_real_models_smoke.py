@@ -195,7 +195,7 @@ def test_the_study_report_judges_auto_by_non_inferiority_and_keeps_pins_apart():
     identical differences: no interval, not a pass. Cells of two pins are never mixed."""
     import io
 
-    from evaluation.study_report import auto_verdict, cells_by_task, write_study_report
+    from evaluation.study_report import auto_verdict, cells_by_task, paired, wording, write_study_report
 
     base = [0.5, 0.6, 0.4, 0.7]
 
@@ -210,6 +210,9 @@ def test_the_study_report_judges_auto_by_non_inferiority_and_keeps_pins_apart():
         return cells_by_task(records)[0][("m", "t")]
 
     assert auto_verdict(study(+0.02), 100)[0] == "met"
+    worse, better = paired([0.10, 0.11, 0.12]), paired([-0.10, -0.11, -0.12])  # loss up / margin down: costs
+    assert wording(worse, better) == "costs quality" and wording(better, worse) == "gains"
+    assert wording(paired([-0.1, 0.1, 0.0]), paired([0.1, -0.1, 0.0])) == "no difference measured"
     verdict, why = auto_verdict(study(-0.3), 100)  # a lower margin, a higher loss: worse than the margins allow
     assert verdict == "missed" and "NOT below +0.02" in why and "NOT above -0.05" in why
     assert auto_verdict(study(+0.02, seeds=4), 100)[0] == "experimental"
