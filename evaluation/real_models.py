@@ -223,9 +223,10 @@ def equal_time_settings(settings: list[str]) -> list[str]:
     return [s for s in settings if s in PREREG["equal_time"] or s not in PREREG["settings"] and s != "stock"]
 
 
-def seed_order(settings: list[str], seed_index: int) -> list[str]:
-    """The settings in the order seed number `seed_index` (0, 1, ...) runs them: rotated by one per seed."""
-    shift = seed_index % len(settings) if settings else 0
+def seed_order(settings: list[str], seed: int) -> list[str]:
+    """The settings in the order `seed` runs them: rotated by one per seed (by its number, so a seed run alone keeps
+    its order), so that no setting always runs first or last."""
+    shift = seed % len(settings) if settings else 0
     return settings[shift:] + settings[:shift]
 
 
@@ -283,8 +284,8 @@ def run_prereg(models, tasks, settings, seeds, stock_seeds, plan: RunPlan, store
                                       commit=provenance.commit, dirty=provenance.dirty, **fields)
                 return 1
 
-            for index, seed in enumerate(seeds):
-                order = seed_order([s for s in settings if s != "stock" or seed in stock_seeds], index)
+            for seed in seeds:
+                order = seed_order([s for s in settings if s != "stock" or seed in stock_seeds], seed)
                 for setting in order:
                     ran += run_once(setting, seed, plan, "steps", **(
                         {"equal_time_steps": timed[setting]} if setting in timed else {}))

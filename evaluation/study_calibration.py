@@ -196,7 +196,8 @@ def calibrate(task: str, model: str, model_path: str, spec, plan, train_rows, ev
 
 def table(entries: dict) -> str:
     """docs/study.md's table of the calibration: per task and setting, the median step cost, ratio and N."""
-    lines = ["| task | setting | median user CPU per step | / exact preset | equal-time steps N |", "|---|---|---|---|---|"]
+    lines = ["| task | setting | median user CPU per step | / exact preset | equal-time steps N |",
+             "|---|---|---|---|---|"]
     for task, entry in sorted(entries.items()):
         for name in entry["median_step_user_s"]:
             lines.append(f"| {task} | {name} | {entry['median_step_user_s'][name]:.2f} s | "

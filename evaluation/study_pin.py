@@ -148,9 +148,9 @@ def check_unchanged(provenance: Provenance) -> None:
     """Between cells: the checkout must still be the code this process imported and the records name."""
     now = Provenance.read()
     if (now.commit, now.dirty, now.rules) != (provenance.commit, provenance.dirty, provenance.rules):
-        raise SystemExit(f"the checkout changed while the study ran ({provenance.commit[:12]}"
-                         f"{'+dirty' if provenance.dirty else ''} -> {now.commit[:12]}{'+dirty' if now.dirty else ''}): "
-                         "stopping; no cell of the changed code is stored")
+        was, is_ = (f"{p.commit[:12]}{'+dirty' if p.dirty else ''}" for p in (provenance, now))
+        raise SystemExit(f"the checkout changed while the study ran ({was} -> {is_}, or its rules' files): stopping; "
+                         "no cell of the changed code is stored")
 
 
 def committed(path: Path) -> bool:
