@@ -340,7 +340,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report", action="store_true", help="write the tables and the plot from the store "
                         "(prereg: docs/study.md's analysis, printed)")
     parser.add_argument("--docs", type=Path, default=store.REPO / "docs",
-                        help="where --report writes img/real_models.png and updates quality.md")
+                        help="where --report writes img/real_models.png and updates quality.md (prereg: "
+                        "img/study_<model>_<task>.png)")
     parser.add_argument("--smoke", action="store_true", help="the tiny built-in model (`--models tiny-full`: full "
                         "fine-tuning), every setting, 2 steps (prereg: 4 steps, calibration if missing, both arms, "
                         "from any checkout)")
@@ -366,7 +367,7 @@ def main(argv=None) -> int:
             from .study_report import write_study_report
 
             pinned = args.pin_commit or read_pin(store_path.parent)
-            return write_study_report(stored(store_path), sys.stdout, pinned)
+            return write_study_report(stored(store_path), sys.stdout, pinned, args.docs / "img")
         from .real_report import write_report
 
         write_report(stored(store_path), sys.stdout, args.docs)

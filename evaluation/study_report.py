@@ -19,11 +19,13 @@ seeds and its 95% paired t-interval:
 - `auto`'s verdict (non-inferiority against the exact preset at equal time, NONINFERIORITY below), with its keep
   probabilities over the run and its executed-token share beside it.
 
-Plots against step and CPU time (each seed faint, the mean bold): to do once cells exist (issue 49 item 4).
+Plots (`plot`, with `--report`): per task, the held-out DPO loss and the mean margin against the training step and
+against the training user CPU, each seed's run faint, the mean over seeds bold, the equal-time runs' end points marked.
 """
 
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 from .real_run import LABELS, held_out_readouts
 from .study_pin import record_pin_label
@@ -345,19 +347,67 @@ def overall(verdicts: list[str]) -> str:
             "recommendation stays the exact preset.")
 
 
+def plot(model: str, task: str, cells: dict, path: Path) -> bool:
+    """The held-out DPO loss and mean margin against the step and the training user CPU (evaluation excluded), per
+    setting of the equal-steps arm: each seed faint, the mean over seeds bold (seeds at the same steps); the
+    equal-time runs' end points as crosses. False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="row", squeeze=False)
+    colors = plt.get_cmap("tab10")
+    settings = [s for s, arm in cells if arm == "steps"]
+    for row, readout in enumerate(("loss", "margin")):
+        for column, (x, label) in enumerate((("step", "training step"), ("user", "training user CPU (s, one thread)"))):
+            axis = axes[row][column]
+            for i, setting in enumerate(settings):
+                runs = list(cells[(setting, "steps")].values())
+                curves = [[(p.get(x, 0.0), readouts(p).get(readout)) for p in r["curve"]] for r in runs]
+                for curve in curves:
+                    axis.plot(*zip(*curve), color=colors(i), lw=0.6, alpha=0.3)
+                common = min(map(len, curves))
+                mean = [(statistics.mean(c[k][0] for c in curves), statistics.mean(c[k][1] for c in curves))
+                        for k in range(common)]
+                axis.plot(*zip(*mean), color=colors(i), lw=2, marker="o", ms=3, label=LABELS[setting])
+                timed = cells.get((setting, "time"), {}).values()
+                ends = [(r["curve"][-1].get(x, 0.0), _point(r)[readout]) for r in timed]
+                if ends:
+                    axis.scatter(*zip(*ends), color=colors(i), marker="x", s=30)
+            axis.set(xlabel=label, title=f"{model} x {task}")
+            axis.grid(alpha=0.3)
+        axes[row][0].set_ylabel({"loss": "held-out DPO loss (lower is better)",
+                                 "margin": "held-out mean margin (higher is better)"}[readout])
+    axes[0][1].legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
 def _plan_steps(cells: dict) -> int:
     exact = cells.get(("exact", "steps"), {})
     return next(iter(exact.values()))["steps"] if exact else 0
 
 
-def write_study_report(records, out, pinned: str | None = None) -> int:
-    """Print the analysis of the pinned cells; 2 (and why) when the store holds several pins and none is given."""
+def write_study_report(records, out, pinned: str | None = None, images: Path | None = None) -> int:
+    """Print the analysis of the pinned cells (and, with `images`, write a plot per task there); 2 (and why) when the
+    store holds several pins and none is given."""
     current, superseded, refusal = select(records, pinned)
     if refusal:
         out.write(refusal + "\n")
         return 2
     groups, duplicates = cells_by_task(current)
     blocks = [report(model, task, cells) for (model, task), cells in sorted(groups.items())]
+    if images is not None:
+        for (model, task), cells in sorted(groups.items()):
+            if cells.get(("exact", "steps")):
+                path = images / f"study_{model}_{task}.png"
+                blocks.append(f"wrote {path}" if plot(model, task, cells, path) else "(no plot: matplotlib missing)")
     if not blocks:
         blocks = [f"no stored cells of the pre-registered study{f' at pin {pinned}' if pinned else ''}"]
     verdicts = [auto_verdict(cells, _plan_steps(cells))[0] for cells in groups.values()]

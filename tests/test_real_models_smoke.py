@@ -189,7 +189,7 @@ def _record(setting, seed, margins_by_step, arm="steps", commit="a" * 40, **fiel
             "divergence": None, **fields}
 
 
-def test_the_study_report_judges_auto_by_non_inferiority_and_keeps_pins_apart():
+def test_the_study_report_judges_auto_by_non_inferiority_and_keeps_pins_apart(tmp_path):
     """`auto`'s verdict (docs/study.md, "Changes"): non-inferior to the exact preset at equal time on the held-out DPO
     loss (upper bound below +0.02) and the mean margin (lower bound above -0.05), 5 seeds; fewer: experimental;
     identical differences: no interval, not a pass. Cells of two pins are never mixed."""
@@ -228,8 +228,9 @@ def test_the_study_report_judges_auto_by_non_inferiority_and_keeps_pins_apart():
     out = io.StringIO()
     assert write_study_report(one + other, out) == 2 and "refusing to mix" in out.getvalue()
     out = io.StringIO()
-    assert write_study_report(one + other, out, pinned="a" * 12) == 0
+    assert write_study_report(one + other, out, pinned="a" * 12, images=tmp_path) == 0
     text = out.getvalue()
+    assert (tmp_path / "study_m_t.png").read_bytes()[:8] == PNG_MAGIC
     assert "Superseded cells, kept in the store, in no table: bbbbbbbbbbbb" in text
     assert "seed 0: FAILS" in text and "step 100 2" in text
     assert "exact + auto (steps) 1 of 1, 1 non-finite losses, 1 non-finite margins" in text
