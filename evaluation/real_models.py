@@ -366,8 +366,12 @@ def main(argv=None) -> int:
             from .study_pin import read_pin
             from .study_report import write_study_report
 
+            from .study_calibration import CALIBRATION_FILE
+
             pinned = args.pin_commit or read_pin(store_path.parent)
-            return write_study_report(stored(store_path), sys.stdout, pinned, args.docs / "img")
+            calibration = args.calibration or store_path.parent / CALIBRATION_FILE
+            entries = json.loads(calibration.read_text()) if calibration.is_file() else None
+            return write_study_report(stored(store_path), sys.stdout, pinned, args.docs / "img", entries)
         from .real_report import write_report
 
         write_report(stored(store_path), sys.stdout, args.docs)

@@ -394,9 +394,11 @@ def _plan_steps(cells: dict) -> int:
     return next(iter(exact.values()))["steps"] if exact else 0
 
 
-def write_study_report(records, out, pinned: str | None = None, images: Path | None = None) -> int:
-    """Print the analysis of the pinned cells (and, with `images`, write a plot per task there); 2 (and why) when the
-    store holds several pins and none is given."""
+def write_study_report(records, out, pinned: str | None = None, images: Path | None = None,
+                       calibration: dict | None = None) -> int:
+    """Print the analysis of the pinned cells (and, with `images`, write a plot per task there; with `calibration`,
+    the calibration file's entries, its table: the speed-ups measured interleaved); 2 (and why) when the store holds
+    several pins and none is given."""
     current, superseded, refusal = select(records, pinned)
     if refusal:
         out.write(refusal + "\n")
@@ -411,6 +413,11 @@ def write_study_report(records, out, pinned: str | None = None, images: Path | N
     if not blocks:
         blocks = [f"no stored cells of the pre-registered study{f' at pin {pinned}' if pinned else ''}"]
     verdicts = [auto_verdict(cells, _plan_steps(cells))[0] for cells in groups.values()]
+    if calibration:
+        from .study_calibration import table
+
+        blocks.append("Equal time's calibration (per-step user CPU, interleaved in one process; N from it):\n\n"
+                      + table(calibration))
     pins = sorted({record_pin_label(r) for r in current})
     tail = [overall(verdicts), f"Cells tabulated: {len(current)}, pin {', '.join(pins) or '–'}."]
     if superseded:
