@@ -170,6 +170,7 @@ def calibrate(task: str, model: str, model_path: str, spec, plan, train_rows, ev
               data: str, path: Path, log, settings: list[str], **schedule) -> dict:
     """Measure `settings` (the exact preset first), then write this task's entry of the calibration file at `path`
     (other tasks' entries kept)."""
+    _refuse_a_second(path, task)
     load = os.getloadavg()[0]
     measured = measure(model_path, spec, plan, settings, train_rows, eval_rows, log, **schedule)
     entry = {"model": model, "steps": plan.steps, "seed": CALIBRATION_SEED,
@@ -186,12 +187,21 @@ def calibrate(task: str, model: str, model_path: str, spec, plan, train_rows, ev
     lock_path = Path(tempfile.gettempdir()) / f"study_calibration-{name}.lock"
     with open(lock_path, "w") as lock:  # two tasks calibrated at once share the file
         fcntl.flock(lock, fcntl.LOCK_EX)
+        _refuse_a_second(path, task)
         entries = json.loads(path.read_text()) if path.is_file() else {}
         entries[task] = entry
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
         tmp.replace(path)
     return entry
+
+
+def _refuse_a_second(path: Path, task: str):
+    """A task is calibrated once: its N are fixed before any cell (docs/study.md). Another calibration (e.g. for
+    settings run later as an extension) goes to another file (`--calibration`)."""
+    if path.is_file() and task in json.loads(path.read_text()):
+        raise SystemExit(f"{path} already holds the calibration of {task}: it is fixed before any cell; measure other "
+                         "settings into another file (--calibration PATH)")
 
 
 def table(entries: dict) -> str:

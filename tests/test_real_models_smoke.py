@@ -73,9 +73,13 @@ def test_prereg_plan_calibrates_runs_both_arms_resumes_and_reports(tmp_path):
     import io
     import re
 
-    from evaluation.real_models import PLANS, run_prereg, stored
+    import pytest
+
+    from evaluation.real_models import PLANS, run_calibration, run_prereg, seed_order, stored
     from evaluation.real_run import held_out_readouts
     from evaluation.study_report import write_study_report
+
+    assert seed_order(["a", "b", "c"], 0) == ["a", "b", "c"] and seed_order(["a", "b", "c"], 4) == ["b", "c", "a"]
 
     calibration_path = tmp_path / "study_calibration.json"
     _run(tmp_path, "--plan", "prereg", "--smoke", "--calibrate", "--tasks", "docstrings-near")
@@ -87,6 +91,9 @@ def test_prereg_plan_calibrates_runs_both_arms_resumes_and_reports(tmp_path):
     # N as if position were dearer and auto cheaper than the exact preset (at 4 tiny steps, measured N are noise)
     calibration["equal_time_steps"].update(position=3, auto=5)
     calibration_path.write_text(json.dumps({"docstrings-near": calibration}))
+    with pytest.raises(SystemExit, match="already holds the calibration"):  # a task is calibrated once
+        run_calibration(["tiny-study"], ["docstrings-near"], ["exact"], PLANS["prereg-smoke"], tmp_path / "cells.jsonl",
+                        tmp_path / "work", calibration_path, bypass=True, smoke=True)
 
     settings = ["auto", "position", "stock", "exact"]
     assert "6 cell(s) run" in _run(tmp_path, "--plan", "prereg", "--smoke", "--tasks", "docstrings-near",
