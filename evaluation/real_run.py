@@ -14,16 +14,17 @@ more than a dozen training steps, so the curve's points use fewer pairs.
 Clocks, both recorded: this process's CPU time (user + system, `step_cpu`) and its user CPU time alone (`step_user`,
 `resource.getrusage`), one torch thread, from each optimizer step's start to its end (`on_step_begin` ..
 `on_step_end`: forward, backward, `auto`'s measurements, clipping, the optimizer); evaluation, loading and data
-preparation are excluded. A plan with `budget_user_s` stops the run after the step in which its training user CPU
-reaches the budget, and evaluates it there (the pre-registered study's equal-time arm).
+preparation are excluded.
 
 Held-out metrics are forward-only and exact (nothing pruned): each pair's chosen and rejected log-probabilities under
 the policy, against the reference's, computed once per (model, task) (the adapter starts at zero, so step 0 is the
 reference itself: every margin a tie, accuracy 0.5 by the convention below, margin 0).
 
-Held-out reward accuracy here counts a tie as half a win (TRL's `rewards/accuracies` counts it as a loss, which
-puts step 0 at 0.0 instead of the coin flip it is); after one step there are no ties. A non-finite margin (a diverged
-policy) counts as a tie too, and is counted (`nonfinite`).
+Held-out readouts (`held_out_readouts`, docs/study.md "Changes"): the DPO loss, mean -log sigmoid(margin) over the
+pairs, the mean margin, and reward accuracy, which counts a tie as half a win (TRL's `rewards/accuracies` counts it as
+a loss, which puts step 0 at 0.0 instead of the coin flip it is); after one step there are no ties. A non-finite margin
+(a diverged policy) is never a win: a miss in accuracy, and in the loss and the mean margin the evaluation's lowest
+finite margin or 0, whichever is lower; such margins are counted (`nonfinite`) and make the run diverged.
 """
 
 import contextlib
@@ -86,15 +87,15 @@ class RunPlan:
     curve_pairs: int = 64  # the first n of them, evaluated at every point of `evals` (the curves: CPU-time readings)
     eval_batch: int = 16  # sequences per forward
     beta: float = 0.1
-    budget_user_s: float | None = None  # stop after the step in which training user CPU reaches this (and evaluate)
     stop_on_divergence: bool | None = None  # the pruned trainer's field (None: its default); False: every run ends
     train_pairs: int | None = None  # the first n train pairs only (smoke tests)
+    pair_margins: bool = False  # keep every evaluated pair's margin in the record (the pre-registered study)
 
 
 # Fields added after the first study's cells were stored: left out of a cell's key at their default, so those cells
 # keep their keys (real_models.cell_key).
-LATE_FIELDS = {"lr_scheduler": "constant", "warmup_ratio": 0.0, "budget_user_s": None, "stop_on_divergence": None,
-               "train_pairs": None}
+LATE_FIELDS = {"lr_scheduler": "constant", "warmup_ratio": 0.0, "stop_on_divergence": None, "train_pairs": None,
+               "pair_margins": False}
 
 
 def key_fields(spec_or_plan) -> dict:
@@ -113,14 +114,17 @@ def user_cpu_seconds() -> float:
 DIVERGENCE_FACTOR = 10.0  # docs/study.md: a logged training loss above 10x the first one
 
 
-def divergence(losses: list[float], final_accuracy: float | None) -> str | None:
-    """Why a run counts as diverged (docs/study.md), or None: a non-finite training loss, a loss above
-    DIVERGENCE_FACTOR x the first step's, or held-out accuracy below 0.5 at its last evaluation."""
+def divergence(losses: list[float], final_accuracy: float | None, nonfinite_margins: int = 0) -> str | None:
+    """Why a run counts as diverged (docs/study.md), or None: a non-finite training loss (logged unfiltered:
+    `logging_nan_inf_filter=False`), a loss above DIVERGENCE_FACTOR x the first step's, a non-finite held-out margin
+    at any evaluation, or held-out accuracy below 0.5 at its last evaluation."""
     for step, loss in enumerate(losses, start=1):
         if not math.isfinite(loss):
             return f"training loss {loss} at step {step}"
         if losses and math.isfinite(losses[0]) and abs(loss) > DIVERGENCE_FACTOR * abs(losses[0]):
             return f"training loss {loss:.4g} at step {step}, above {DIVERGENCE_FACTOR:g}x the first ({losses[0]:.4g})"
+    if nonfinite_margins:
+        return f"{nonfinite_margins} non-finite held-out margin(s)"
     if final_accuracy is not None and final_accuracy < 0.5:
         return f"held-out accuracy {final_accuracy:.3f} at the end, below 0.5"
     return None
@@ -168,18 +172,40 @@ def answer_log_probs(model, sequences, pad_id: int, batch: int) -> list[float]:
     return sums
 
 
-def pair_metrics(policy: list[float], reference: list[float], beta: float, curve_pairs: int) -> dict[str, float]:
-    """Held-out reward accuracy (a tie counts half) and mean reward margin from chosen/rejected log-probabilities
-    laid out as `_sequences` lays them out: over every pair given (`accuracy`, `margin`) and over the first
-    `curve_pairs` (`curve_accuracy`, `curve_margin`)."""
+def dpo_loss(margin: float) -> float:
+    """-log sigmoid(margin), computed without overflow."""
+    return math.log1p(math.exp(-margin)) if margin >= 0 else -margin + math.log1p(math.exp(margin))
+
+
+def held_out_readouts(margins: list[float]) -> dict[str, float]:
+    """One evaluation's readouts from its per-pair margins (docs/study.md, "Changes"): `loss`, the held-out DPO loss
+    (mean -log sigmoid(margin), primary), `margin`, the mean margin (primary), and `accuracy` (a finite tie counts
+    half; secondary). A non-finite margin is never a win: a miss in accuracy, and in the loss and the mean margin the
+    lowest finite margin of the evaluation or 0, whichever is lower (`nonfinite` counts them)."""
+    finite = [m for m in margins if math.isfinite(m)]
+    worst = min([0.0, *finite])
+    scored = [m if math.isfinite(m) else worst for m in margins]
+    wins = [0.0 if not math.isfinite(m) else 1.0 if m > 0 else 0.0 if m < 0 else 0.5 for m in margins]
+    n = len(margins)
+    out = {"loss": sum(map(dpo_loss, scored)) / n, "margin": sum(scored) / n, "accuracy": sum(wins) / n}
+    return {**out, "nonfinite": n - len(finite)} if len(finite) < n else out
+
+
+def pair_metrics(policy: list[float], reference: list[float], beta: float, curve_pairs: int,
+                 keep_margins: bool = False) -> dict:
+    """`held_out_readouts` of the reward margins from chosen/rejected log-probabilities laid out as `_sequences` lays
+    them out: over every pair given, and accuracy and margin over the first `curve_pairs` (`curve_accuracy`,
+    `curve_margin`: the first study's curves); `margins`, every pair's rounded, with `keep_margins`."""
     margins = [beta * ((policy[i] - reference[i]) - (policy[i + 1] - reference[i + 1]))
                for i in range(0, len(policy), 2)]
-    wins = [1.0 if m > 0 else 0.0 if m < 0 else 0.5 for m in margins]  # a tie, or a non-finite margin: half
-    nonfinite = sum(not math.isfinite(m) for m in margins)
-    head = slice(0, curve_pairs)
-    out = {"accuracy": sum(wins) / len(wins), "margin": sum(margins) / len(margins), "pairs": len(wins),
-           "curve_accuracy": sum(wins[head]) / len(wins[head]), "curve_margin": sum(margins[head]) / len(wins[head])}
-    return {**out, "nonfinite": nonfinite} if nonfinite else out
+    every, head = held_out_readouts(margins), held_out_readouts(margins[:curve_pairs])
+    out = {**every, "pairs": len(margins), "curve_accuracy": head["accuracy"], "curve_margin": head["margin"]}
+    if keep_margins:
+        out["margins"] = [round(m, MARGIN_DECIMALS) if math.isfinite(m) else m for m in margins]
+    return out
+
+
+MARGIN_DECIMALS = 5  # a stored per-pair margin (beta x log-ratios, ~0.01-2 here): 1e-5 is far below any difference read
 
 
 # ------------------------------------------------------------------------------------------------------ the trainers
@@ -211,12 +237,11 @@ def _trainer_classes():
 
 
 class _Clock(TrainerCallback):
-    """Training CPU time per step (process and user clocks), the held-out evaluations at the planned steps, and the
-    stop at a user-CPU budget (evaluated there)."""
+    """Training CPU time per step (process and user clocks) and the held-out evaluations at the planned steps."""
 
-    def __init__(self, evaluate, eval_steps, log, budget_user_s=None):
-        self.evaluate, self.eval_steps, self.log, self.budget = evaluate, set(eval_steps), log, budget_user_s
-        self.step_cpu, self.step_user, self.started, self.points, self.stopped_by_budget = [], [], None, [], False
+    def __init__(self, evaluate, eval_steps, log):
+        self.evaluate, self.eval_steps, self.log = evaluate, set(eval_steps), log
+        self.step_cpu, self.step_user, self.started, self.points = [], [], None, []
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.started = (cpu_seconds(), user_cpu_seconds())
@@ -224,17 +249,28 @@ class _Clock(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.step_cpu.append(cpu_seconds() - self.started[0])
         self.step_user.append(user_cpu_seconds() - self.started[1])
-        if self.budget is not None and sum(self.step_user) >= self.budget and state.global_step < state.max_steps:
-            control.should_training_stop = self.stopped_by_budget = True
-        if state.global_step in self.eval_steps or self.stopped_by_budget:
+        if state.global_step in self.eval_steps:
             began = cpu_seconds()
             point = {"step": state.global_step, "cpu": sum(self.step_cpu), "user": sum(self.step_user),
                      **self.evaluate(state.global_step)}
             self.points.append(point)
             self.log(f"    step {point['step']:3d}  train CPU {point['cpu']:7.1f} s (user {point['user']:.1f})  "
                      f"accuracy {point['accuracy']:.3f} ({point['pairs']} pairs)  margin {point['margin']:+.4f}  "
-                     f"(eval {cpu_seconds() - began:.0f} s CPU)" + ("  [budget reached]" if self.stopped_by_budget
-                                                                    else ""))
+                     f"loss {point['loss']:.4f}  (eval {cpu_seconds() - began:.0f} s CPU)")
+
+
+class _AutoSteps(TrainerCallback):
+    """`auto`'s keep probabilities (branch, position) at each step, as it drew them: the kind of the step (an exact
+    step, a probe, or its current choice) read from its public `kind` and `choice` after the step."""
+
+    def __init__(self, auto):
+        self.auto, self.keep_probs = auto, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        from trl_pruned_dpo.auto import KIND_PROBS
+
+        kind = self.auto.kind(state.global_step - 1)  # the step the draw used (the global step before it ended)
+        self.keep_probs.append([float(p) for p in KIND_PROBS.get(kind, self.auto.choice[:2])])
 
 
 def auto_record(trainer) -> dict:
@@ -254,11 +290,11 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | None, seed: int, train_rows, eval_rows,
-              reference_cache: dict, log=print) -> dict:
-    """Train one cell; returns its record (curve, per-step CPU times, tokens, auto's choice). `setting` None is stock
-    `DPOTrainer`; otherwise the `PrunedDPOConfig` fields it sets. `reference_cache` keeps the reference's held-out
-    log-probabilities between runs of the same (model, task) (a dict the caller owns)."""
+def build_trainer(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | None, seed: int, train_rows,
+                  eval_rows, output_dir: str):
+    """The trainer of one cell, not yet trained: stock `DPOTrainer` for `setting` None, else `PrunedDPOTrainer` with
+    the `PrunedDPOConfig` fields it sets; its schedule over `plan.steps`. Also what the calibration
+    (study_calibration.py) times, so it times the cells' own steps."""
     from peft import LoraConfig
     from trl import DPOConfig
 
@@ -272,24 +308,37 @@ def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | N
         gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, seed=seed, data_seed=seed, report_to=[],
         logging_steps=1, save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
         model_init_kwargs={"dtype": torch.float32},
+        # A non-finite loss is logged as it is (HF's filter logs the running mean instead): divergence reads it.
+        logging_nan_inf_filter=False,
     )
     lora = LoraConfig(r=spec.lora_r, lora_alpha=2 * spec.lora_r, lora_dropout=0.0,
                       target_modules=list(spec.lora_targets), task_type="CAUSAL_LM") if spec.lora_r else None
+    if setting is None:
+        cls, args = stock_class, DPOConfig(output_dir=output_dir, **common)
+    else:
+        extra = {} if plan.stop_on_divergence is None else {"stop_on_divergence": plan.stop_on_divergence}
+        cls, args = pruned_class, PrunedDPOConfig(output_dir=output_dir, **common, **setting, **extra)
+    trainer = cls(model=model_path, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
+                  processing_class=tokenizer, peft_config=lora)
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | None, seed: int, train_rows, eval_rows,
+              reference_cache: dict, log=print) -> dict:
+    """Train one cell; returns its record (curve, per-step CPU times, tokens, auto's choice). `setting` None is stock
+    `DPOTrainer`; otherwise the `PrunedDPOConfig` fields it sets. `reference_cache` keeps the reference's held-out
+    log-probabilities between runs of the same (model, task) (a dict the caller owns)."""
     with tempfile.TemporaryDirectory(prefix="real_models_") as scratch:
-        if setting is None:
-            cls, args = stock_class, DPOConfig(output_dir=scratch, **common)
-        else:
-            extra = {} if plan.stop_on_divergence is None else {"stop_on_divergence": plan.stop_on_divergence}
-            cls, args = pruned_class, PrunedDPOConfig(output_dir=scratch, **common, **setting, **extra)
-        trainer = cls(model=model_path, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
-                      processing_class=tokenizer, peft_config=lora)
+        trainer = build_trainer(model_path, spec, plan, setting, seed, train_rows, eval_rows, scratch)
+        lora = spec.lora_r > 0
         sequences = _sequences(trainer.eval_dataset)
-        pad = tokenizer.pad_token_id
+        pad = trainer.processing_class.pad_token_id
 
         def evaluate(step):  # the curve's pairs at every point, every pair after the last step
             chosen = sequences if step == plan.steps else sequences[:2 * plan.curve_pairs]
             return pair_metrics(answer_log_probs(trainer.model, chosen, pad, plan.eval_batch),
-                                reference_cache["logps"], plan.beta, plan.curve_pairs)
+                                reference_cache["logps"], plan.beta, plan.curve_pairs, plan.pair_margins)
 
         if "logps" not in reference_cache:
             began = cpu_seconds()
@@ -299,22 +348,29 @@ def train_one(model_path: str, spec: ModelSpec, plan: RunPlan, setting: dict | N
             reference_cache["cpu"] = cpu_seconds() - began
             log(f"    reference log-probabilities of {len(sequences) // 2} held-out pairs: "
                 f"{reference_cache['cpu']:.0f} s CPU")
-        clock = _Clock(evaluate, plan.evals, log, plan.budget_user_s)
-        trainer.remove_callback(PrinterCallback)
+        clock = _Clock(evaluate, plan.evals, log)
         trainer.add_callback(clock)
+        auto = getattr(trainer, "auto_keep_probs", None)
+        auto_steps = _AutoSteps(auto) if auto is not None else None
+        if auto_steps is not None:
+            trainer.add_callback(auto_steps)
         trainer.train()
     history = trainer.state.log_history
     shares = [h["prune/tokens_executed"] for h in history if "prune/tokens_executed" in h]
     losses = [h["loss"] for h in history if "loss" in h]
     late = {}  # the pre-registered study's fields (absent from the first study's records)
-    if plan.budget_user_s is not None:
-        late.update(budget_user_s=plan.budget_user_s, stopped_by_budget=clock.stopped_by_budget)
-    if spec.lr_scheduler != "constant" or plan.budget_user_s is not None or plan.stop_on_divergence is not None:
+    if spec.lr_scheduler != "constant" or plan.stop_on_divergence is not None:
+        nonfinite = sum(p.get("nonfinite", 0) for p in clock.points)
         late.update(steps_done=trainer.state.global_step, learning_rates=[h["learning_rate"] for h in history
                                                                           if "learning_rate" in h],
-                    divergence=divergence(losses, clock.points[-1]["accuracy"] if clock.points else None))
+                    nonfinite_losses=sum(not math.isfinite(x) for x in losses), nonfinite_margins=nonfinite,
+                    divergence=divergence(losses, clock.points[-1]["accuracy"] if clock.points else None, nonfinite),
+                    tokens_executed_steps=[round(x, 4) for x in shares])
+        if auto_steps is not None:
+            late["auto_keep_probs_steps"] = auto_steps.keep_probs
     return {
-        "curve": [{"step": 0, "cpu": 0.0, "accuracy": 0.5, "margin": 0.0, "curve_accuracy": 0.5, "curve_margin": 0.0}]
+        "curve": [{"step": 0, "cpu": 0.0, "accuracy": 0.5, "margin": 0.0, "curve_accuracy": 0.5, "curve_margin": 0.0}
+                  | ({"loss": math.log(2)} if late else {})]
         + clock.points,
         "step_cpu": clock.step_cpu,
         "step_user": clock.step_user,
