@@ -162,22 +162,31 @@ def test_passes_over_the_model_per_step(runs):
 @pytest.mark.parametrize("config", [
     dict(position_keep_prob=0.5, prefix_prune_prob=0.5),  # the same masks, merged or not
     dict(precompute_ref_log_probs=True, prune_common_prefix=True),  # the stored per-token reference
-], ids=["pruned", "precomputed"])
+    # branch pruning: one grad and one frozen forward per pass, the frozen rows reading their prompt's keys
+    dict(branch_keep_prob=0.5, position_keep_prob=0.7, prune_common_prefix=True),
+    dict(branch_keep_prob=0.5, branch_sampling="independent", precompute_ref_log_probs=True),
+], ids=["pruned", "precomputed", "branch", "branch-independent-precomputed"])
 def test_pruned_and_precomputed_steps_equal_unmerged(tokenizer, tmp_path, config):
     unmerged = one_step(tokenizer, tmp_path / "unmerged", step_token_budget=0, **config)
     merged = one_step(tokenizer, tmp_path / "merged", step_token_budget=WHOLE_STEP, **config)
     assert relative(merged[0], unmerged[0]) < 1e-5
-    # A precomputed reference runs no reference forward.
-    assert merged[1] == {"policy": 1, "reference": 0 if "precompute_ref_log_probs" in config else 1}
-    assert merged[2]["loss"] == pytest.approx(unmerged[2]["loss"], rel=1e-5)
+    branches = "branch_keep_prob" in config
+    # A precomputed reference runs no reference forward; branch pruning runs a grad and a frozen policy forward.
+    assert merged[1] == {"policy": 2 if branches else 1,
+                         "reference": 0 if "precompute_ref_log_probs" in config else 1}
+    assert unmerged[1]["policy"] == (8 if branches else 4)
+    assert merged[3] == []  # merging said nothing
+    # The same masks, so the same work and every logged value (the prune/* counts included).
+    for key, value in unmerged[2].items():
+        if isinstance(value, float) and "runtime" not in key and "per_second" not in key:
+            assert merged[2][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.parametrize("config, why", [
-    (dict(branch_keep_prob=0.5), "branch pruning"),
     (dict(branch_keep_prob="auto"), '"auto"'),
     (dict(position_keep_prob=0.5, **SAVINGS_OFF), "the padded layout"),
     (dict(SAVINGS_OFF), "TRL's own forward"),
-], ids=["branch", "auto", "padded", "stock"])
+], ids=["auto", "padded", "stock"])
 def test_each_fallback_says_one_line_once_and_trains_unmerged(tokenizer, tmp_path, config, why):
     two_steps = dict(max_steps=2, gradient_accumulation_steps=2, rows=ragged_rows(8))
     fallback = one_step(tokenizer, tmp_path / "asked", step_token_budget=WHOLE_STEP, **two_steps, **config)

@@ -18,7 +18,6 @@ import itertools
 import warnings
 from typing import Any
 
-from .config import AUTO
 from .forward_choice import ForwardChoice
 from .method.plan import group_passes, unpruned_tokens
 from .reference import HOST_KEY
@@ -93,7 +92,6 @@ def why_unmerged(args: Any, choice: ForwardChoice, accelerator: Any, aux_loss_en
         (aux_loss_enabled, "the MoE router loss is counted over each micro-batch's padded rows"),
         (not choice.packed, "the padded layout runs each micro-batch's own rows"),
         (args.auto_keep_probs, '"auto" measures each micro-batch\'s gradient'),
-        (args.branch_keep_prob != AUTO and args.branch_keep_prob < 1, "branch pruning runs each micro-batch's frozen branches in a forward of their own"),
     ]
     return next((why for applies, why in reasons if applies), None)
 

@@ -255,25 +255,32 @@ def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict
 
 def run_pass(context: ForwardContext, model: torch.nn.Module, batches: list[dict],
              plans: list[MicroStepPlan]) -> list[MicroStepRecord]:
-    """Several micro-steps of one optimizer step in one packed policy forward and one reference forward (the merged
-    step, docs/method.md): their groups laid end to end (`concat_groups`), each micro-step's grid cut back out of the
-    outputs (`split_grid`), then its reference estimate and its policy estimates made as `run_micro_step` makes them.
-    Each micro-step keeps its own plan (its masks drawn as unmerged) and its own record, so its loss is TRL's over its
-    own batch. Packed plans without a frozen forward or a router loss only (the trainer runs the others alone)."""
-    if context.aux_loss_enabled or any(plan.prunes_branches or not plan.layout.packed for plan in plans):
-        raise ValueError("run_pass merges packed micro-steps without branch pruning or a router loss only.")
+    """Several micro-steps of one optimizer step in one packed policy forward (with branch pruning, one grad and one
+    frozen forward) and one reference forward (the merged step, docs/method.md): their groups laid end to end
+    (`concat_groups`; the frozen rows still read their shared part's keys from the grad forward), each micro-step's
+    grid cut back out of the outputs (`split_grid`), then its reference estimate and its policy estimates made as
+    `run_micro_step` makes them. Each micro-step keeps its own plan (its masks drawn as unmerged) and its own record,
+    so its loss is TRL's over its own batch. Packed plans without a router loss only (the trainer runs the others
+    alone), all pruning branches or none (the same on every micro-step of a run that merges)."""
+    if context.aux_loss_enabled or any(not plan.layout.packed for plan in plans) or len(
+            {plan.prunes_branches for plan in plans}) > 1:
+        raise ValueError("run_pass merges packed micro-steps without a router loss, all pruning branches or none.")
     wanted = _wanted(context)
     device = batches[-1]["input_ids"].device
     shapes = [tuple(plan.policy.grad.source.shape) for plan in plans]
     live = not context.precomputed_reference
-    # Every micro-step's masks and the pass's two groups on the device in one copy.
+    branches = plans[0].prunes_branches
+    # Every micro-step's masks and the pass's groups on the device in one copy.
     groups = [concat_groups([plan.policy.grad for plan in plans]),
+              concat_groups([plan.policy.frozen for plan in plans]) if branches else None,
               concat_groups([plan.reference for plan in plans]) if live else None]
-    masks, (grad, reference_group) = to_device([plan.masks for plan in plans], groups, device)
+    masks, (grad, frozen_group, reference_group) = to_device([plan.masks for plan in plans], groups, device)
+    shared = SharedKeys()
     with compact_lm_head():
-        merged, _ = run_group(model, grad, wanted, batches[-1])
-        # The reference of every micro-step in one no-grad block: checkpointing toggled once per pass.
+        merged, _ = run_group(model, grad, wanted, batches[-1], shared)
+        # The frozen rows and the reference of every micro-step in one no-grad block: checkpointing toggled once.
         with no_grad_block(context.policy, context.checkpointing_kwargs):
+            frozen = run_group(model, frozen_group, wanted, batches[-1], shared)[0] if branches else None
             stored = [None] * len(plans)
             if live:
                 per_token = reference_log_probs(context, _reference_model(context, model), reference_group,
@@ -282,5 +289,9 @@ def run_pass(context: ForwardContext, model: torch.nn.Module, batches: list[dict
             references = [reference_estimate(context, model, plan.reference, mask, batch, per_token)
                           for plan, mask, batch, per_token in zip(plans, masks, batches, stored)]
     grids = {name: split_grid(merged[name], shapes) for name in wanted}
-    return [_record(plan, mask, {name: grids[name][i] for name in wanted}, None, reference, None)
+    if branches:
+        frozen_shapes = [tuple(plan.policy.frozen.source.shape) for plan in plans]
+        frozen_grids = {name: split_grid(frozen[name], frozen_shapes) for name in wanted}
+    return [_record(plan, mask, {name: grids[name][i] for name in wanted},
+                    {name: frozen_grids[name][i] for name in wanted} if branches else None, reference, None)
             for i, (plan, mask, reference) in enumerate(zip(plans, masks, references))]
