@@ -47,7 +47,8 @@ def count_collectives(counts: dict) -> None:
     so each call adds to counts[kind] = [calls, bytes] (bytes: the tensors this rank sends or receives)."""
     import torch.distributed as dist
 
-    kinds = {"all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "_all_gather_base": "all_gather",
+    kinds = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
+             "all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "_all_gather_base": "all_gather",
              "all_gather_object": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
              "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter", "all_reduce": "all_reduce",
              "broadcast": "broadcast"}

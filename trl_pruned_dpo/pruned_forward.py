@@ -33,7 +33,8 @@ FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
 class ForwardContext:
     """What a micro-step's forward needs of the trainer, built once per trainer (again if TRL re-wraps the policy).
 
-    `policy`: the model whose gradient checkpointing is toggled and whose adapter is disabled for a PEFT reference;
+    `policy`: the trainer's model (TRL's `self.model`: outside a DDP wrapper, whatever wraps it for the backward),
+    whose gradient checkpointing is toggled and which runs a PEFT reference with its adapter disabled;
     `unwrapped_policy`: the same without its engine wrapper; `reference`: TRL's reference model (None: the policy
     without its adapter, or a precomputed reference); `reference_sums(per_token, batch)`: TRL's own per-branch sums
     (`compute_ref_log_probs`, with `ld_alpha`)."""
@@ -177,9 +178,12 @@ def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...
     return per_token, outputs
 
 
-def _reference_model(context: ForwardContext, model: torch.nn.Module) -> torch.nn.Module:
-    """The model the reference runs through: TRL's reference model, else the policy (its adapter disabled)."""
-    return context.reference if context.reference is not None else model
+def _reference_model(context: ForwardContext) -> torch.nn.Module:
+    """The model the reference runs through: TRL's reference model, else the policy (its adapter disabled) as TRL runs
+    it, the trainer's model outside DDP's wrapper. A no-grad forward through DDP all-reduces nothing, but it broadcasts
+    the module buffers after a synced backward: a collective that ranks running different passes would meet in
+    different places (issue 48's hang). Outside it, DDP sees the same grad forwards and backwards as before."""
+    return context.reference if context.reference is not None else context.policy
 
 
 def _wanted(context: ForwardContext) -> tuple[str, ...]:
@@ -197,8 +201,7 @@ def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: 
     return outputs["log_probs"].float()
 
 
-def reference_estimate(context: ForwardContext, model: torch.nn.Module, group: PackedGroup | None,
-                       masks: PruneMasks, inputs: dict,
+def reference_estimate(context: ForwardContext, group: PackedGroup | None, masks: PruneMasks, inputs: dict,
                        per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) sums under the policy's masks (`prune_reference`), or exact sums over every
     kept position: its per-token log-probs run now as `group` plans them (live), already run by a merged pass
@@ -206,7 +209,7 @@ def reference_estimate(context: ForwardContext, model: torch.nn.Module, group: P
     Called in the micro-step's no-grad block: TRL's summing toggles gradient checkpointing otherwise."""
     weights = masks.weights if context.prune_reference else masks.exact.float()
     if per_token is None and not context.precomputed_reference:
-        per_token = reference_log_probs(context, _reference_model(context, model), group, inputs)
+        per_token = reference_log_probs(context, _reference_model(context), group, inputs)
     elif per_token is None and (context.prune_reference or context.prune_common_prefix):
         per_token = inputs[REF_TOKEN_KEY].to(weights.device)
     elif per_token is None:
@@ -248,8 +251,11 @@ def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict
         per_token, outputs = run_group(model, grad, wanted, inputs, shared, **router)
         aux_loss = outputs.aux_loss * (1.0 if grad.scored else 0.0) if router else None
         with no_grad_block(context.policy, context.checkpointing_kwargs):
-            frozen = run_group(model, frozen_group, wanted, inputs, shared)[0] if plan.prunes_branches else None
-            reference = reference_estimate(context, model, reference_group, masks, inputs)
+            # No grad: outside DDP's wrapper (a forward through it may broadcast buffers: `_reference_model`).
+            frozen = None
+            if plan.prunes_branches:
+                frozen = run_group(context.policy, frozen_group, wanted, inputs, shared)[0]
+            reference = reference_estimate(context, reference_group, masks, inputs)
     return _record(plan, masks, per_token, frozen, reference, aux_loss)
 
 
@@ -280,13 +286,12 @@ def run_pass(context: ForwardContext, model: torch.nn.Module, batches: list[dict
         merged, _ = run_group(model, grad, wanted, batches[-1], shared)
         # The frozen rows and the reference of every micro-step in one no-grad block: checkpointing toggled once.
         with no_grad_block(context.policy, context.checkpointing_kwargs):
-            frozen = run_group(model, frozen_group, wanted, batches[-1], shared)[0] if branches else None
+            frozen = run_group(context.policy, frozen_group, wanted, batches[-1], shared)[0] if branches else None
             stored = [None] * len(plans)
             if live:
-                per_token = reference_log_probs(context, _reference_model(context, model), reference_group,
-                                                batches[-1])
+                per_token = reference_log_probs(context, _reference_model(context), reference_group, batches[-1])
                 stored = split_grid(per_token, [tuple(plan.reference.source.shape) for plan in plans])
-            references = [reference_estimate(context, model, plan.reference, mask, batch, per_token)
+            references = [reference_estimate(context, plan.reference, mask, batch, per_token)
                           for plan, mask, batch, per_token in zip(plans, masks, batches, stored)]
     grids = {name: split_grid(merged[name], shapes) for name in wanted}
     if branches:

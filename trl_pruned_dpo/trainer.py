@@ -87,6 +87,9 @@ class PrunedDPOTrainer(DPOTrainer):
     _tag_names = ["trl", "dpo", "trl-pruned-dpo"]
     # The plugin's forward with everything off: the benchmarks' `none` row. Not for training (off is TRL's own path).
     always_pruned_forward = False
+    # A subclass overriding `compute_loss`, `concatenated_forward` or `training_step` trains unmerged (a merged pass
+    # calls them once per pass: merged_step.PER_MICRO_BATCH), unless it sets this, its overrides right once per pass.
+    merge_safe_overrides = False
 
     def __init__(self, model: torch.nn.Module | str, ref_model: torch.nn.Module | str | None = None,
                  args: PrunedDPOConfig | None = None, *pargs: Any, **kwargs: Any):
@@ -127,7 +130,8 @@ class PrunedDPOTrainer(DPOTrainer):
             self.add_callback(self._auto)
         # Whether a step's micro-batches can merge, from what is known once TRL is built (merged_step.py).
         self._merger = merged_step.StepMerger(merged_step.why_unmerged(
-            args, self._forward_choice, self.accelerator, self.aux_loss_enabled, self.is_fsdp_enabled))
+            args, self._forward_choice, self.accelerator, self.aux_loss_enabled, self.is_fsdp_enabled,
+            merged_step.bypassed_overrides(type(self), PrunedDPOTrainer)))
         # Whether this run can drop a branch at all ("auto" on adapter training never does).
         self._drops_branches = (self._auto is not None and "branch" in self._auto.families) or (
             args.branch_keep_prob != AUTO and args.branch_keep_prob < 1)
@@ -173,7 +177,7 @@ class PrunedDPOTrainer(DPOTrainer):
         """transformers' prefetch of an optimizer step's micro-batches, unchanged; grouped into the merged step's
         passes (merged_step.StepMerger)."""
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._merger.group(self.args, self._forward_choice, batches)
+        self._merger.group(self.args, self._forward_choice, batches, self.accelerator)
         return batches, num_items_in_batch
 
     def _set_signature_columns_if_needed(self):
