@@ -45,6 +45,8 @@ ACCUM = {"gradient_accumulation_steps": 2, "max_steps": 4}
 MERGED = {"position_keep_prob": 0.7, "prefix_prune_prob": 0.5, "share_prompt": True, "padding_free": True, **ACCUM}
 # Ragged prompts, accumulation 4, the default budget: at step 2 rank 0's own tokens group [3, 1], rank 1's [2, 2]
 RAGGED = {**MERGED, "gradient_accumulation_steps": 4, "max_steps": 2}
+# The engines under which the merged step merges (DeepSpeed falls back: merged_step.why_unmerged)
+MERGING = ("ddp", "fsdp")
 AUTO = {"branch_keep_prob": "auto", "gradient_accumulation_steps": 2, "max_steps": 8,
         "gradient_checkpointing_kwargs": {"use_reentrant": True}}
 RUNS = [
@@ -74,11 +76,11 @@ RUNS = [
     {"name": "merged-off", "config": {**MERGED, "step_token_budget": 0}},
     # ranks whose micro-batches group differently (DDP only: elsewhere the merged step falls back): the LoRA reference
     # (the policy, adapter disabled: TRL's LoRA recipe) and a separate one, each against its unmerged twin
-    {"name": "ragged-peft", "reference": "peft", "data": "ragged", "config": RAGGED, "engines": ("ddp",)},
+    {"name": "ragged-peft", "reference": "peft", "data": "ragged", "config": RAGGED, "engines": MERGING},
     {"name": "ragged-peft-off", "reference": "peft", "data": "ragged", "config": {**RAGGED, "step_token_budget": 0},
-     "engines": ("ddp",)},
-    {"name": "ragged", "data": "ragged", "config": RAGGED, "engines": ("ddp",)},
-    {"name": "ragged-off", "data": "ragged", "config": {**RAGGED, "step_token_budget": 0}, "engines": ("ddp",)},
+     "engines": MERGING},
+    {"name": "ragged", "data": "ragged", "config": RAGGED, "engines": MERGING},
+    {"name": "ragged-off", "data": "ragged", "config": {**RAGGED, "step_token_budget": 0}, "engines": MERGING},
     # auto (auto.py): the ranks hold different pairs; norms from the micro-batch vs the accumulated, all-reduced
     # gradient, reentrant checkpointing; a checkpoint mid-run to resume from; and one pair per rank, no accumulation
     {"name": "auto", "config": {**AUTO, "save_strategy": "steps", "save_steps": 4}},
@@ -309,7 +311,7 @@ def test_merged_step_equals_unmerged_and_reduces_once_per_step(engine_run):
     engine, out = engine_run
     for rank in range(WORLD):
         merged, unmerged = report(out, "merged", rank), report(out, "merged-off", rank)
-        assert {d["pass"] for d in merged["draws"]} == ({2} if engine == "ddp" else {1})
+        assert {d["pass"] for d in merged["draws"]} == ({2} if engine in MERGING else {1})
         assert {d["pass"] for d in unmerged["draws"]} == {1}
         strip = [{k: v for k, v in d.items() if k != "pass"} for d in merged["draws"]]
         assert strip == [{k: v for k, v in d.items() if k != "pass"} for d in unmerged["draws"]]
@@ -332,7 +334,7 @@ def test_ranks_whose_micro_batches_group_differently_run_the_same_passes(engine_
     step's token counts agreed across ranks, merged_step.py) and the reference through the unwrapped policy; the run
     finishes (under the launch's timeout) with the unmerged run's masks, losses and weights."""
     engine, out = engine_run
-    if engine != "ddp":
+    if engine not in MERGING:
         pytest.skip("the merged step falls back under this engine (its `merged` run checks the fallback)")
     steps = [report(out, name, rank)["passes"] for rank in range(WORLD)]
     assert len(steps[0]) == len(steps[1]) == RAGGED["max_steps"]

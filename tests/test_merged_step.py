@@ -28,7 +28,7 @@ from tiny import SAVINGS_OFF, build_trainer, lora_trainer, preference_rows, ragg
 from trl import DPOConfig, DPOTrainer
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
-from trl_pruned_dpo.merged_step import StepPasses, agreed_across_ranks, why_unmerged
+from trl_pruned_dpo.merged_step import StepPasses, agreed_across_ranks, bypassed_overrides, why_unmerged
 from trl_pruned_dpo.method.plan import concat_groups, group_passes, split_grid
 from trl_pruned_dpo.pruned_forward import reference_log_probs
 
@@ -245,14 +245,27 @@ class DeclaredSafe(PrunedDPOTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
+def test_the_overrides_a_merged_pass_would_bypass_are_named():
+    class OwnForward(PrunedDPOTrainer):
+        def concatenated_forward(self, model, inputs):
+            return super().concatenated_forward(model, inputs)
+
+    assert bypassed_overrides(PrunedDPOTrainer, PrunedDPOTrainer) == ()
+    assert bypassed_overrides(L2PerCall, PrunedDPOTrainer) == ("compute_loss",)
+    assert bypassed_overrides(type("Both", (L2PerCall, OwnForward), {}), PrunedDPOTrainer) == (
+        "compute_loss", "concatenated_forward")
+    assert bypassed_overrides(DeclaredSafe, PrunedDPOTrainer) == ()
+
+
 @pytest.mark.parametrize("trainer_cls", [L2PerCall, TRLLoss], ids=["l2", "trl-loss"])
 def test_a_subclass_overriding_compute_loss_trains_as_unmerged(tokenizer, tmp_path, trainer_cls):
     """A merged pass calls `compute_loss` once per pass: before, the L2 subclass's update was 49% off unmerged's and
     the TRL-loss one trained on 2 of 4 micro-batches. Now merging is off for it, said once, naming the override."""
     merged = one_step(tokenizer, tmp_path / "asked", trainer_cls, step_token_budget=WHOLE_STEP)
     unmerged = one_step(tokenizer, tmp_path / "off", trainer_cls, step_token_budget=0)
+    assert torch.equal(merged[0], unmerged[0]), f"update {relative(merged[0], unmerged[0]):.2f} off unmerged's"
+    assert merged[1] == unmerged[1] == {"policy": 4, "reference": 4}
     assert len(merged[3]) == 1 and "`compute_loss`" in merged[3][0] and unmerged[3] == []
-    assert torch.equal(merged[0], unmerged[0]) and merged[1] == unmerged[1] == {"policy": 4, "reference": 4}
     if trainer_cls is TRLLoss:  # every micro-batch through TRL's loss: stock's accumulation
         stock = one_step(tokenizer, tmp_path / "stock", DPOTrainer, DPOConfig)
         assert relative(merged[0], stock[0]) < 1e-5

@@ -22,6 +22,8 @@ import itertools
 import warnings
 from typing import Any
 
+import torch
+
 from .forward_choice import ForwardChoice
 from .method.plan import group_passes, unpruned_tokens
 from .reference import HOST_KEY
@@ -69,8 +71,6 @@ def agreed_across_ranks(accelerator: Any, mergeable: bool, tokens: list[int], bu
     the same pass sizes, and each rank's passes stay within its own budget (its tokens are at most the largest). One
     all-gather of `length` + 2 integers per step (padded to `length`, the accumulation steps: the same shape on every
     rank: transformers prefetches at most that many), and one read of it on the host."""
-    import torch
-
     numbers = torch.tensor([int(not mergeable), budget, *tokens, *[0] * (length - len(tokens))], dtype=torch.int64)
     every = accelerator.gather(numbers.to(accelerator.device)).view(accelerator.num_processes, -1).cpu()
     return not bool(every[:, 0].any()), every[:, 2:2 + len(tokens)].amax(0).tolist(), int(every[:, 1].min())
@@ -96,10 +96,10 @@ def _context_parallel(accelerator: Any) -> bool:
     return config is not None and bool(config.cp_enabled)
 
 
-# The trainer's methods transformers and TRL call once per micro-batch that a merged pass calls once per pass (for its
-# last micro-batch: `compute_loss`), not at all (`concatenated_forward`), or with a zero loss for the micro-batches it
-# defers (`training_step`). A subclass overriding one (transformers documents `compute_loss` as the extension point)
-# would be bypassed for the others.
+# The trainer's methods that run once per micro-batch unmerged, and not so in a merged pass: `compute_loss` runs once
+# per pass (with its last micro-batch), `concatenated_forward` not at all (`merged_forward` instead), `training_step`
+# returns a zero loss without a forward or a backward for the micro-batches a pass defers. A subclass's override of
+# one (transformers documents `compute_loss` as the extension point) would miss the others' micro-batches.
 PER_MICRO_BATCH = ("compute_loss", "concatenated_forward", "training_step")
 
 
