@@ -39,19 +39,24 @@ SETTINGS = {"exact preset": {"prune_common_prefix": True},
             "branch 0.5": {"prune_common_prefix": True, "branch_keep_prob": 0.5}}
 BUDGETS = {"unmerged": 0, "default": None}
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+COUNTED = tuple(f"{kind}/{origin}" for kind in KINDS for origin in ("engine", "trainer"))
 
 
 # ------------------------------------------------------------------------------------------------ the worker (a rank)
 def count_collectives(counts: dict) -> None:
     """Wrap torch.distributed's collectives (looked up by attribute at each call by FSDP2, DeepSpeed and accelerate)
-    so each call adds to counts[kind] = [calls, bytes] (bytes: the tensors this rank sends or receives)."""
+    so each call adds to counts[kind, origin] = [calls, bytes] (bytes: the first tensor argument, the one this rank
+    sends or receives). `origin`: "trainer" for those made inside accelerate's `gather`/`reduce` (TRL's metrics, the
+    plugin's metrics and its per-step agreement on passes), "engine" for the others (weights and gradients)."""
     import torch.distributed as dist
+    from accelerate import Accelerator
 
     kinds = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
              "all_gather_into_tensor": "all_gather", "all_gather": "all_gather", "_all_gather_base": "all_gather",
              "all_gather_object": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
              "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter", "all_reduce": "all_reduce",
              "broadcast": "broadcast"}
+    inside_trainer = [0]
 
     def size(value) -> int:
         if hasattr(value, "numel"):
@@ -66,11 +71,23 @@ def count_collectives(counts: dict) -> None:
             continue
 
         def counted(*args, _original=original, _kind=kind, **kwargs):
-            counts[_kind][0] += 1
-            counts[_kind][1] += size(args[0]) if args else 0
+            entry = counts[_kind, "trainer" if inside_trainer[0] else "engine"]
+            entry[0] += 1
+            entry[1] += size(args[0]) if args else 0
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)
+    for method in ("gather", "reduce"):
+        original = getattr(Accelerator, method)
+
+        def marked(self, *args, _original=original, **kwargs):
+            inside_trainer[0] += 1
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                inside_trainer[0] -= 1
+
+        setattr(Accelerator, method, marked)
 
 
 def worker(spec: dict, out: Path) -> None:
@@ -93,17 +110,17 @@ def worker(spec: dict, out: Path) -> None:
                  length_scale=spec["scale"], reference_noise=0.01)
 
     class PerStep(TrainerCallback):
-        """Snapshots the counters at each optimizer step's end (and at its start, for the first)."""
+        """Snapshots the counters when training starts (before the first step's micro-batches are fetched and
+        grouped) and at each optimizer step's end: a step's window holds its grouping, its passes and its update."""
 
         def __init__(self):
             self.marks: list[dict] = []
 
         def snapshot(self, passes: int) -> None:
-            self.marks.append({"passes": passes, **{k: list(v) for k, v in counts.items()}})
+            self.marks.append({"passes": passes, **{f"{k}/{o}": list(v) for (k, o), v in counts.items()}})
 
-        def on_step_begin(self, args, state, control, **kwargs):
-            if not self.marks:
-                self.snapshot(policy_calls[0])
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.snapshot(policy_calls[0])
 
         def on_step_end(self, args, state, control, **kwargs):
             self.snapshot(policy_calls[0])
@@ -133,8 +150,8 @@ def worker(spec: dict, out: Path) -> None:
 
                     if isinstance(trainer.model_wrapped, DistributedDataParallel):
                         def hook(group, bucket):
-                            counts["all_reduce"][0] += 1
-                            counts["all_reduce"][1] += bucket.buffer().numel() * bucket.buffer().element_size()
+                            counts["all_reduce", "engine"][0] += 1
+                            counts["all_reduce", "engine"][1] += bucket.buffer().numel() * bucket.buffer().element_size()
                             return allreduce_hook(group, bucket)
 
                         trainer.model_wrapped.register_comm_hook(None, hook)
@@ -154,7 +171,7 @@ def worker(spec: dict, out: Path) -> None:
             for before, after in zip(marks, marks[1:]):
                 steps.append({"passes": (after["passes"] - before["passes"]) / layers,
                               **{k: [after.get(k, [0, 0])[i] - before.get(k, [0, 0])[i] for i in (0, 1)]
-                                 for k in KINDS}})
+                                 for k in COUNTED}})
             results.append({"setting": setting, "budget": budget_name, "steps": steps,
                             "merged_said": trainer._merger.why})
             trainer.accelerator.wait_for_everyone()
@@ -203,7 +220,7 @@ def table(engine: str, out: Path) -> list[dict]:
                 steps = results[setting, budget]["steps"]
                 sides[budget] = {"passes": sum(s["passes"] for s in steps) / len(steps),
                                  **{f"{k}_{what}": sum(s[k][i] for s in steps) / len(steps)
-                                    for k in KINDS for i, what in ((0, "calls"), (1, "bytes"))}}
+                                    for k in COUNTED for i, what in ((0, "calls"), (1, "bytes"))}}
             key = setting.replace(" ", "_")
             unmerged = torch.load(out / f"weights_{key}_unmerged_rank{rank}.pt")
             merged = torch.load(out / f"weights_{key}_default_rank{rank}.pt")
@@ -219,17 +236,23 @@ def ratio(a: float, b: float) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| engine | setting | rank | passes / step (unmerged -> default) | all-gather calls | all-gather bytes | "
-             "reduce-scatter calls | all-reduce calls | update vs unmerged | fallback |",
+    """Per engine, setting and rank: each count per optimizer step, unmerged -> default budget (ratio)."""
+    def cell(r: dict, key: str, bytes_too: bool = False) -> str:
+        a, b = r[f"unmerged_{key}_calls" if key != "passes" else "unmerged_passes"], r[
+            f"default_{key}_calls" if key != "passes" else "default_passes"]
+        text = f"{a:g} -> {b:g} ({ratio(b, a)})"
+        if bytes_too:
+            text += f", bytes {ratio(r[f'default_{key}_bytes'], r[f'unmerged_{key}_bytes'])}"
+        return text
+
+    lines = ["| engine | setting | rank | passes | engine all-gathers | engine reduce-scatters | engine all-reduces | "
+             "trainer gathers (metrics, agreement) | update vs unmerged | fallback |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['engine']} | {r['setting']} | {r['rank']} | {r['unmerged_passes']:g} -> {r['default_passes']:g} "
-            f"({ratio(r['default_passes'], r['unmerged_passes'])}) | {r['unmerged_all_gather_calls']:g} -> "
-            f"{r['default_all_gather_calls']:g} ({ratio(r['default_all_gather_calls'], r['unmerged_all_gather_calls'])})"
-            f" | {ratio(r['default_all_gather_bytes'], r['unmerged_all_gather_bytes'])} | "
-            f"{r['unmerged_reduce_scatter_calls']:g} -> {r['default_reduce_scatter_calls']:g} | "
-            f"{r['unmerged_all_reduce_calls']:g} -> {r['default_all_reduce_calls']:g} | "
+            f"| {r['engine']} | {r['setting']} | {r['rank']} | {cell(r, 'passes')} | "
+            f"{cell(r, 'all_gather/engine', True)} | {cell(r, 'reduce_scatter/engine', True)} | "
+            f"{cell(r, 'all_reduce/engine', True)} | {cell(r, 'all_gather/trainer')} | "
             f"{r['weights_distance']:.1e} | {r['fallback'] or '-'} |")
     return "\n".join(lines)
 

@@ -74,13 +74,17 @@ RUNS = [
     # DeepSpeed fall back, one pass per micro-batch), against its unmerged twin
     {"name": "merged", "config": {**MERGED, "step_token_budget": 10**9}},
     {"name": "merged-off", "config": {**MERGED, "step_token_budget": 0}},
-    # ranks whose micro-batches group differently (DDP only: elsewhere the merged step falls back): the LoRA reference
+    # ranks whose micro-batches group differently (DDP and FSDP2: DeepSpeed falls back): the LoRA reference
     # (the policy, adapter disabled: TRL's LoRA recipe) and a separate one, each against its unmerged twin
     {"name": "ragged-peft", "reference": "peft", "data": "ragged", "config": RAGGED, "engines": MERGING},
     {"name": "ragged-peft-off", "reference": "peft", "data": "ragged", "config": {**RAGGED, "step_token_budget": 0},
      "engines": MERGING},
     {"name": "ragged", "data": "ragged", "config": RAGGED, "engines": MERGING},
     {"name": "ragged-off", "data": "ragged", "config": {**RAGGED, "step_token_budget": 0}, "engines": MERGING},
+    # branch pruning merged: one grad and one frozen forward per pass, the frozen one outside DDP's wrapper
+    {"name": "ragged-branch", "data": "ragged", "config": {**RAGGED, "branch_keep_prob": 0.5}, "engines": MERGING},
+    {"name": "ragged-branch-off", "data": "ragged", "config": {**RAGGED, "branch_keep_prob": 0.5,
+                                                               "step_token_budget": 0}, "engines": MERGING},
     # auto (auto.py): the ranks hold different pairs; norms from the micro-batch vs the accumulated, all-reduced
     # gradient, reentrant checkpointing; a checkpoint mid-run to resume from; and one pair per rank, no accumulation
     {"name": "auto", "config": {**AUTO, "save_strategy": "steps", "save_steps": 4}},
@@ -326,7 +330,7 @@ def test_merged_step_equals_unmerged_and_reduces_once_per_step(engine_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ragged-peft", "ragged"])
+@pytest.mark.parametrize("name", ["ragged-peft", "ragged", "ragged-branch"])
 def test_ranks_whose_micro_batches_group_differently_run_the_same_passes(engine_run, name):
     """Issue 48's hang: under DDP, ranks whose own tokens group a step's 4 micro-batches differently (rank 0 [3, 1],
     rank 1 [2, 2]) deadlocked at step 1 with the LoRA reference (the policy's forward through DDP broadcast buffers

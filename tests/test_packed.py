@@ -420,7 +420,7 @@ def test_a_plan_moves_to_the_device_in_one_copy(tokenizer, tmp_path, monkeypatch
     one copy of one byte buffer, each viewed back with its own dtype and shape."""
     from dataclasses import fields
 
-    from trl_pruned_dpo.pruned_forward import _packed_bytes, _unpacked, plan_on_device
+    from trl_pruned_dpo.pruned_forward import _packed_bytes, _unpacked, to_device
 
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(edge_rows() * 2),
                             tmp_path, per_device_train_batch_size=4, branch_keep_prob=0.5, position_keep_prob=0.5)
@@ -440,6 +440,7 @@ def test_a_plan_moves_to_the_device_in_one_copy(tokenizer, tmp_path, monkeypatch
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", counting)
-    masks, groups = plan_on_device(plan, torch.device("meta"))
+    (masks,), groups = to_device([plan.masks], [plan.policy.grad, plan.policy.frozen, plan.reference],
+                                 torch.device("meta"))
     assert len(copies) == 1 and masks.weights.device.type == "meta" and masks.weights.dtype == torch.float32
     assert all(g.shift_labels.device.type == "meta" for g in groups if g is not None)

@@ -3,10 +3,11 @@
 How it departs from stock TRL 1.16 (whose `_compute_loss` does one policy forward of the stacked batch, one reference
 forward, then the loss and metrics), in the order of docs/method.md:
 
-- `concatenated_forward` plans the micro-step on the host from its token ids, once (`plan_micro_step`: the masks of
-  method/masks.py with "auto"'s probabilities from auto.py, in the layout `forward_choice` decided), and runs the plan
-  (pruned_forward.run_micro_step, with the `ForwardContext` built once per trainer). It returns the micro-step's typed
-  record: inverse-probability-weighted per-token terms for the policy, the reference's sums under the same masks.
+- `merged_forward` (and `concatenated_forward`, a pass of one batch) plans each micro-step on the host from its token
+  ids, once (`plan_micro_step`: the masks of method/masks.py with "auto"'s probabilities from auto.py, in the layout
+  `forward_choice` decided), and runs the pass (pruned_forward.run_pass, with the `ForwardContext` built once per
+  trainer). It returns each micro-step's typed record: inverse-probability-weighted per-token terms for the policy,
+  the reference's sums under the same masks.
 - `compute_loss` hands that record to TRL's own `_compute_loss` through a replay "model" (seam.Replay), so every TRL
   loss, `ld_alpha`, `use_weighting` and every TRL metric run unchanged on unbiased estimates of what they consume;
   metrics.py then renames what no longer estimates stock's value, and auto.py gets the record's work counts.
@@ -35,7 +36,7 @@ from .forward_choice import ForwardChoice
 from .method.masks import PruneMasks, draw_masks, mask_generator
 from .method.plan import HostBatch, Layout, MicroStepPlan, plan_micro_step, plan_reference
 from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
-from .pruned_forward import ForwardContext, MicroStepRecord, reference_log_probs, run_micro_step, run_pass
+from .pruned_forward import ForwardContext, MicroStepRecord, reference_log_probs, run_pass
 from .reference import HOST_KEY, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator
 from .safety import checkpoints, guards
 from .safety.data_checks import check_training_pairs
@@ -249,19 +250,16 @@ class PrunedDPOTrainer(DPOTrainer):
                                prunes_branches=prunes_branches, reference_scored=reference_scored, means=draw.means)
 
     def concatenated_forward(self, model: torch.nn.Module, inputs: dict) -> MicroStepRecord:
-        """The pruned forward of the [chosen; rejected] batch: planned on the host (`plan`), run on the device
-        (pruned_forward.run_micro_step). Its record holds the policy's per-token outputs as inverse-probability-weighted
-        terms whose row sums are unbiased for the full sums (Eqs. 1-3), and the reference's per-branch sums (chosen,
-        rejected) under the same masks. Kept as `last_micro_step`, a view for the user: nothing here reads it back."""
-        plan = self.plan(inputs)
-        record = run_micro_step(self.forward_context(), model, inputs, plan)
-        self.last_micro_step = record
-        return record
+        """The pruned forward of the [chosen; rejected] batch: a pass of one (`merged_forward`). Its record holds the
+        policy's per-token outputs as inverse-probability-weighted terms whose row sums are unbiased for the full sums
+        (Eqs. 1-3), and the reference's per-branch sums (chosen, rejected) under the same masks."""
+        return self.merged_forward(model, [inputs])[0]
 
     def merged_forward(self, model: torch.nn.Module, batches: list[dict]) -> list[MicroStepRecord]:
-        """The pruned forward of a merged pass's micro-batches (merged_step.py), in order: each planned as unmerged
-        (its masks keyed by its own micro-step), all run in one policy and one reference forward
-        (pruned_forward.run_pass). One record per micro-batch; the last is kept as `last_micro_step`."""
+        """The pruned forward of a pass's micro-batches, in order (one unmerged; several in a merged step,
+        merged_step.py): each planned on the host (`plan`: its masks keyed by its own micro-step), all run in one
+        policy and one reference forward (pruned_forward.run_pass). One record per micro-batch; the last is kept as
+        `last_micro_step`, a view for the user: nothing here reads it back."""
         plans = [self.plan(batch) for batch in batches]
         records = run_pass(self.forward_context(), model, batches, plans)
         self.last_micro_step = records[-1]
@@ -278,13 +276,14 @@ class PrunedDPOTrainer(DPOTrainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise ValueError("PrunedDPOTrainer does not return model outputs during training (TRL deprecated them).")
-        if self._pass is not None:
-            # A merged pass (merged_step.py): its earlier micro-batches as `training_step` would have prepared them.
-            batches = [self._prepare_inputs(batch) for batch in self._pass[:-1]] + [inputs]
-            records = self.merged_forward(model, batches)
-            # Their sum: transformers scales it by the accumulation steps and backpropagates it once.
-            return torch.stack([self._micro_step_loss(r, b) for r, b in zip(records, batches)]).sum()
-        return self._micro_step_loss(self.concatenated_forward(model, inputs), inputs)
+        # The pass `inputs` ends: alone, or (merged_step.py) after its earlier micro-batches, prepared as
+        # `training_step` would have prepared them. A pass of one runs through the public per-batch hook.
+        earlier = [self._prepare_inputs(batch) for batch in self._pass[:-1]] if self._pass is not None else []
+        batches = earlier + [inputs]
+        records = self.merged_forward(model, batches) if earlier else [self.concatenated_forward(model, inputs)]
+        # TRL's loss per micro-batch; their sum, which transformers scales by the accumulation steps and
+        # backpropagates once.
+        return torch.stack([self._micro_step_loss(r, b) for r, b in zip(records, batches)]).sum()
 
     def _micro_step_loss(self, record: MicroStepRecord, inputs: dict) -> torch.Tensor:
         """TRL's loss of one micro-batch from its record (TRL's metrics logged by TRL), then the plugin's metrics."""
