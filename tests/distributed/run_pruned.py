@@ -97,7 +97,7 @@ def record_draws(trainer) -> list:
     draws = []
     if not hasattr(trainer, "last_micro_step"):
         return draws
-    forward, merged_forward = trainer.concatenated_forward, trainer.merged_forward
+    merged_forward = trainer.merged_forward  # every pass, of one micro-batch (`concatenated_forward`) or several
 
     def record(done, inputs, merged: int) -> None:
         (step, micro), masks, drawn = done.step, done.masks, done.options
@@ -113,18 +113,12 @@ def record_draws(trainer) -> list:
                for key in ("branch_keep_prob", "position_keep_prob")},
         })
 
-    def recording(model, inputs):
-        done = forward(model, inputs)
-        record(done, inputs, 1)
-        return done
-
     def recording_merged(model, batches):
         records = merged_forward(model, batches)
         for done, inputs in zip(records, batches):
             record(done, inputs, len(batches))
         return records
 
-    trainer.concatenated_forward = recording
     trainer.merged_forward = recording_merged
     return draws
 
