@@ -275,6 +275,25 @@ class _HeadRows(TorchDispatchMode):
         return out
 
 
+def mark_whole_under_zero3(model: torch.nn.Module) -> None:
+    """Under DeepSpeed ZeRO-3, mark a model built outside any engine as what it is: every parameter whole, here.
+
+    TRL's fused head gathers its weight with `maybe_gather_lm_head_ctx` whenever ZeRO-3 is on (transformers'
+    `is_deepspeed_zero3_enabled`, set by the config), and reads `ds_status` from every parameter it is handed: a
+    plain parameter has none (`AttributeError: 'Parameter' object has no attribute 'ds_status'`). The probe's tiny
+    model is a local one (never partitioned), so its parameters are marked `AVAILABLE`, for which TRL gathers nothing:
+    the probe runs TRL's head code unchanged. Pinned by
+    tests/test_distributed.py::test_lm_head_probe_runs_under_zero3 (the probe's count under a ZeRO-3 config)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for parameter in model.parameters():
+        parameter.ds_status = ZeroParamStatus.AVAILABLE
+
+
 def head_rows_scored(labels_kept: int = 2, length: int = 8, vocab: int = 37) -> int:
     """Rows that reach the fused LM head of a tiny Llama under `compact_lm_head` when `labels_kept` labels are set."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -284,6 +303,7 @@ def head_rows_scored(labels_kept: int = 2, length: int = 8, vocab: int = 37) -> 
     # The init must not move the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(config)
+    mark_whole_under_zero3(model)
     add_fused_lm_head(model)
     input_ids = torch.arange(1, length + 1).view(1, length)
     labels = torch.full_like(input_ids, -100)
