@@ -104,10 +104,12 @@ EXPECTED_TYPE = {
 }
 SHARDED = {"fsdp", "zero3"}  # each rank holds only its shard of the parameters
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-# Engines tested, e.g. TEST_DISTRIBUTED_ENGINES=ddp,zero2. ZeRO-2 is left out by default to keep the file near three
-# minutes on two cores: its forward is DDP's (parameters whole on every rank); only gradients and optimizer states
-# are partitioned. The DeepSpeed ones are skipped where DeepSpeed is not installed.
-TESTED = os.environ.get("TEST_DISTRIBUTED_ENGINES", "ddp,fsdp,zero3").split(",")
+# CI sets TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1 (.ci/run installs DeepSpeed): there a missing DeepSpeed fails the ZeRO
+# cells instead of skipping them, so a green CI means they ran.
+REQUIRE_DEEPSPEED = os.environ.get("TEST_DISTRIBUTED_REQUIRE_DEEPSPEED") == "1"
+# Engines tested, e.g. TEST_DISTRIBUTED_ENGINES=ddp,zero2. The DeepSpeed ones are skipped where DeepSpeed is not
+# installed (failed under TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1).
+TESTED = os.environ.get("TEST_DISTRIBUTED_ENGINES", ",".join(ENGINES)).split(",")
 if unknown := set(TESTED) - set(ENGINES):
     raise ValueError(f"TEST_DISTRIBUTED_ENGINES: unknown {sorted(unknown)}; choose among {list(ENGINES)}")
 
@@ -154,10 +156,20 @@ def launch(engine: str, out: Path, runs: list, timeout: int = 300) -> None:
 _LAUNCHED: dict[str, Path | str] = {}  # engine -> output folder, or the failure message (launched once per session)
 
 
+def needs_deepspeed() -> None:
+    """Skip where DeepSpeed is not installed; fail instead under TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1 (CI)."""
+    if HAS_DEEPSPEED:
+        return
+    message = "DeepSpeed is not installed (`pip install deepspeed`: it runs on CPU, see docs/distributed.md)"
+    if REQUIRE_DEEPSPEED:
+        pytest.fail(f"{message}, and TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1 requires it")
+    pytest.skip(message)
+
+
 def launched(engine: str, tmp_path_factory) -> Path:
     """The output folder of the engine's launch."""
-    if engine.startswith("zero") and not HAS_DEEPSPEED:
-        pytest.skip("DeepSpeed is not installed (`pip install deepspeed`: it runs on CPU, see docs/distributed.md)")
+    if engine.startswith("zero"):
+        needs_deepspeed()
     if engine not in _LAUNCHED:
         out = tmp_path_factory.mktemp(engine)
         try:
@@ -169,6 +181,40 @@ def launched(engine: str, tmp_path_factory) -> Path:
     if isinstance(_LAUNCHED[engine], str):
         pytest.fail(_LAUNCHED[engine])
     return _LAUNCHED[engine]
+
+
+def test_lm_head_probe_runs_under_zero3(monkeypatch):
+    """The plugin's lm-head probe (`seam.check_compact_lm_head`, run in every trainer's constructor) under a ZeRO-3
+    config, in this one process: TRL's fused head then goes through `maybe_gather_lm_head_ctx`, which reads DeepSpeed's
+    `ds_status` from every parameter it is handed. Before the fix every rank's constructor failed there
+    (`'Parameter' object has no attribute 'ds_status'`); the probe's local model now marks its parameters whole
+    (`seam.mark_whole_under_zero3`). Also pins the TRL private that relies on: a parameter `AVAILABLE` is not
+    gathered (a null context)."""
+    needs_deepspeed()
+    if not ON_GPU:
+        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from contextlib import nullcontext
+
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from transformers.integrations.deepspeed import (HfDeepSpeedConfig, is_deepspeed_zero3_enabled,
+                                                     unset_hf_deepspeed_config)
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    from trl_pruned_dpo import seam
+
+    # transformers holds the config by a weak reference: keep it alive for the test
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_batch_size": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        whole = torch.nn.Parameter(torch.ones(2))
+        whole.ds_status = ZeroParamStatus.AVAILABLE
+        assert isinstance(maybe_gather_lm_head_ctx(whole, None), nullcontext)
+        assert seam.head_rows_scored(labels_kept=3) == 3  # not 8: the head still scores only the labelled positions
+        monkeypatch.setattr(seam, "_COMPACT_HEAD_OK", False)
+        seam.check_compact_lm_head()
+    finally:
+        unset_hf_deepspeed_config()
+        del zero3
 
 
 @pytest.fixture(scope="module", params=TESTED)
