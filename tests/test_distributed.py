@@ -1,5 +1,5 @@
 """Two processes on CPU, launched with `accelerate launch` and the shipped configs/accelerate/*.yaml: the pruned
-trainer under DDP, FSDP2 and DeepSpeed ZeRO-3 (ZeRO-2 on request), all over gloo.
+trainer under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, all over gloo.
 
 Per engine, one launch of tests/distributed/run_pruned.py trains several tiny runs in the same two processes (the
 start-up is most of the cost) and records, per rank, every mask draw with its batch and the final weights. Checked:
@@ -11,13 +11,16 @@ start-up is most of the cost) and records, per rank, every mask draw with its ba
   masks; a resumed run continues the stream (same masks, same weights as the uninterrupted run);
 - pruning off, two processes: the same losses, metrics and weights as stock `trl.DPOTrainer` on two processes (every
   pruning and exact saving off: stock's code; `share_prompt` alone; and `PrunedDPOConfig`'s defaults, exact savings on);
-- FSDP2 and ZeRO-3 (parameters really sharded: each rank holds half of them) end every run on DDP's weights;
-- the merged step (merged_step.py): under DDP each step's micro-batches run in one pass, all-reduced as often as
-  unmerged (once per step), with the unmerged run's masks, losses and weights; FSDP and DeepSpeed fall back.
+- FSDP2, ZeRO-2 and ZeRO-3 (FSDP2 and ZeRO-3: parameters really sharded, each rank holds half of them) end every run
+  on DDP's weights;
+- the merged step (merged_step.py): under DDP and DeepSpeed each step's micro-batches run in one pass, with the
+  unmerged run's masks, losses and weights (DDP: all-reduced as often as unmerged, once per step; DeepSpeed: the step's
+  end set by accelerate at each backward); FSDP falls back, and DeepSpeed at a budget that does not hold a whole step,
+  each saying why once.
 
 On CPU: accelerate runs FSDP only on accelerator devices, so the runner's test-only shim (`allow_fsdp_on_cpu`) lets
 it through (torch's FSDP2 itself works over gloo); DeepSpeed runs with `DS_ACCELERATOR=cpu` and is skipped where it
-is not installed. docs/distributed.md says what this does and does not cover, and the GPU commands.
+is not installed (CI installs it and fails instead: TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1). docs/distributed.md says what this does and does not cover, and the GPU commands.
 """
 
 import importlib.util
@@ -65,8 +68,8 @@ RUNS = [
     {"name": "shared", "config": {**PRUNED, **ACCUM, "share_prompt": True}},
     # padding_free (the packed forward without shared prompts), pruning on
     {"name": "packed", "config": {**PRUNED, "padding_free": True, "max_steps": 2}},
-    # the merged step (merged_step.py): each optimizer step's two micro-batches in one pass under DDP (FSDP and
-    # DeepSpeed fall back, one pass per micro-batch), against its unmerged twin
+    # the merged step (merged_step.py): each optimizer step's two micro-batches in one pass under DDP and DeepSpeed
+    # (FSDP falls back, one pass per micro-batch), against its unmerged twin
     {"name": "merged", "config": {**MERGED, "step_token_budget": 10**9}},
     {"name": "merged-off", "config": {**MERGED, "step_token_budget": 0}},
     # auto (auto.py): the ranks hold different pairs; norms from the micro-batch vs the accumulated, all-reduced
@@ -326,15 +329,22 @@ def test_masks_are_per_rank_and_reproducible(engine_run, name):
             assert any(not same(e, redraw(e | {"micro": d["micro"]}, config, rank)) for d, e in pairs)
 
 
+MERGES = {"ddp", "zero2", "zero3"}  # engines whose `merged` run merges (FSDP falls back)
+
+
 @pytest.mark.slow
 def test_merged_step_equals_unmerged_and_reduces_once_per_step(engine_run):
-    """Under DDP each step's two micro-batches run in one pass (elsewhere one each: the fallback) with the masks drawn
-    unmerged, DDP all-reduces as often as unmerged (once per step: the unmerged run's first micro-step is under
-    `no_sync`), and the losses and weights are the unmerged run's, to round-off."""
+    """Under DDP and DeepSpeed each step's two micro-batches run in one pass (FSDP: one each, the fallback) with the
+    masks drawn unmerged, DDP all-reduces as often as unmerged (once per step: the unmerged run's first micro-step is
+    under `no_sync`), and the losses and weights are the unmerged run's, to round-off. Under DeepSpeed the pass's one
+    backward carries the step's end (accelerate sets `set_gradient_accumulation_boundary` from transformers'
+    per-micro-batch `sync_gradients`): were DeepSpeed counting backwards instead, it would step every other optimizer
+    step and the weights would part."""
     engine, out = engine_run
     for rank in range(WORLD):
         merged, unmerged = report(out, "merged", rank), report(out, "merged-off", rank)
-        assert {d["pass"] for d in merged["draws"]} == ({2} if engine == "ddp" else {1})
+        assert len(merged["merged_step_said"]) == (0 if engine in MERGES else 1)  # the fallback, said once
+        assert {d["pass"] for d in merged["draws"]} == ({2} if engine in MERGES else {1})
         assert {d["pass"] for d in unmerged["draws"]} == {1}
         strip = [{k: v for k, v in d.items() if k != "pass"} for d in merged["draws"]]
         assert strip == [{k: v for k, v in d.items() if k != "pass"} for d in unmerged["draws"]]
@@ -346,6 +356,82 @@ def test_merged_step_equals_unmerged_and_reduces_once_per_step(engine_run):
     w_merged, w_unmerged = weights(out, "merged", 0), weights(out, "merged-off", 0)
     for key in w_merged:
         torch.testing.assert_close(w_merged[key], w_unmerged[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_deepspeed_falls_back_where_ranks_could_run_other_pass_counts(engine_run):
+    """The `default` run (PrunedDPOConfig's defaults: gradient accumulation, the default budget, the widest
+    micro-batch's tokens) merges under DDP, where ranks may run different numbers of passes; under DeepSpeed ZeRO,
+    whose every backward reduces collectively, a rank's passes would depend on its own tokens, so it runs unmerged and
+    says so once, naming the budget that merges."""
+    engine, out = engine_run
+    for rank in range(WORLD):
+        said = report(out, "default", rank)["merged_step_said"]
+        if engine.startswith("zero"):
+            assert len(said) == 1 and "every rank must run as many passes" in said[0], said
+            assert "gradient_accumulation_steps x 2 x per_device_train_batch_size x max_length" in said[0]
+        elif engine == "ddp":
+            assert said == []
+
+
+def test_accelerate_sets_deepspeeds_step_boundary_at_each_backward():
+    """What DeepSpeed's merged step relies on (merged_step.DEEPSPEED_EXPLICIT_BOUNDARY): accelerate's DeepSpeed
+    wrapper (a private class) tells the engine, before each backward, whether it ends the optimizer step (transformers'
+    per-micro-batch `sync_gradients`), and steps the engine only then; no DeepSpeed needed."""
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    calls = []
+
+    class Engine:
+        def set_gradient_accumulation_boundary(self, is_boundary):
+            calls.append(("boundary", is_boundary))
+
+        def backward(self, loss, **kwargs):
+            calls.append(("backward", kwargs))
+
+        def step(self):
+            calls.append(("step",))
+
+    wrapper = DeepSpeedEngineWrapper(Engine())
+    wrapper.backward(torch.ones(()), sync_gradients=False, scale_wrt_gas=False)
+    wrapper.backward(torch.ones(()), sync_gradients=True, scale_wrt_gas=False)
+    assert calls == [("boundary", False), ("backward", {"scale_wrt_gas": False}),
+                     ("boundary", True), ("backward", {"scale_wrt_gas": False}), ("step",)]
+
+
+@pytest.mark.parametrize(("accelerate_version", "processes", "budget", "max_length", "merges"), [
+    ("1.16.0", 2, 10**9, 64, True),  # the budget holds any step whole: one pass per step on every rank
+    ("1.16.0", 2, 512, 64, True),  # exactly 2 accumulation x 2 rows x 2 pairs x 64 tokens
+    ("1.16.0", 2, 511, 64, False),
+    ("1.16.0", 2, None, 64, False),  # the default budget: a rank's passes follow its own tokens
+    ("1.16.0", 2, 10**9, None, False),  # no truncation: no bound on a step's tokens
+    ("1.16.0", 1, None, 64, True),  # one process: nobody to agree with
+    ("1.7.0", 1, 10**9, 64, False),  # accelerate before the explicit boundary
+])
+def test_deepspeed_merges_where_the_step_boundary_and_pass_counts_are_known(
+        monkeypatch, accelerate_version, processes, budget, max_length, merges):
+    """merged_step.why_unmerged under DeepSpeed, without a launch: merged only with accelerate >= 1.8 (it sets the
+    step's end at each backward) and where every rank runs as many passes (one process, or a budget that holds any
+    step whole); otherwise one line naming which."""
+    from types import SimpleNamespace
+
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    from trl_pruned_dpo import PrunedDPOConfig
+    from trl_pruned_dpo.forward_choice import ForwardChoice
+    from trl_pruned_dpo.merged_step import why_unmerged
+
+    monkeypatch.setattr(accelerate, "__version__", accelerate_version)
+    args = PrunedDPOConfig(output_dir="unused", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                           max_length=max_length, step_token_budget=budget, use_cpu=True, report_to="none")
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=processes)
+    why = why_unmerged(args, ForwardChoice(pruned=True, packed=True), accelerator, aux_loss_enabled=False, fsdp=False)
+    assert (why is None) == merges, why
+    if accelerate_version == "1.7.0":
+        assert "set_gradient_accumulation_boundary" in why and "counting `engine.step()` calls" in why
+    elif not merges:
+        assert "every rank must run as many passes" in why
 
 
 @pytest.mark.slow

@@ -76,15 +76,51 @@ def _context_parallel(accelerator: Any) -> bool:
     return config is not None and bool(config.cp_enabled)
 
 
+# accelerate 1.8.0 (huggingface/accelerate#3630) tells DeepSpeed where an optimizer step ends: before each backward,
+# `engine.set_gradient_accumulation_boundary(sync_gradients)`, which transformers sets per micro-batch, and
+# `engine.step()` only at the boundary. A merged pass's backward runs in its last micro-batch's `training_step`, so
+# the step's last pass carries the boundary, as unmerged. Earlier accelerate calls `engine.step()` after every
+# backward and DeepSpeed finds the boundary by counting them (`micro_steps % gradient_accumulation_steps`).
+DEEPSPEED_EXPLICIT_BOUNDARY = "1.8.0"
+
+
+def one_pass_per_step(args: Any) -> bool:
+    """Whether `step_token_budget` holds any optimizer step whole: each micro-batch's 2 x `per_device_train_batch_size`
+    rows are cut to `max_length` tokens by TRL's collator, so every rank runs exactly one pass per step (a rule each
+    rank computes from the same numbers)."""
+    budget, length = args.step_token_budget, args.max_length
+    rows = 2 * args.per_device_train_batch_size * args.gradient_accumulation_steps
+    return budget is not None and length is not None and budget >= rows * length
+
+
+def _deepspeed_why_unmerged(args: Any, accelerator: Any) -> str | None:
+    """Why DeepSpeed cannot merge this run's micro-batches, or None."""
+    import accelerate
+    from packaging.version import Version
+
+    if Version(accelerate.__version__) < Version(DEEPSPEED_EXPLICIT_BOUNDARY):
+        return (f"accelerate {accelerate.__version__} lets DeepSpeed find an optimizer step's end by counting "
+                "`engine.step()` calls, one per backward (`micro_steps % gradient_accumulation_steps`), and a merged "
+                f"step runs fewer backwards; accelerate >= {DEEPSPEED_EXPLICIT_BOUNDARY} sets the boundary at each "
+                "backward (`set_gradient_accumulation_boundary`)")
+    if accelerator.num_processes > 1 and not one_pass_per_step(args):
+        return ("DeepSpeed ZeRO-2/3 reduce the gradients at every backward (ZeRO-3 also gathers each layer's weights "
+                "in every forward), so every rank must run as many passes, and at this budget a rank's passes depend "
+                "on its own tokens; a budget of at least gradient_accumulation_steps x 2 x per_device_train_batch_size "
+                "x max_length tokens (one pass per step) merges")
+    return None
+
+
 def why_unmerged(args: Any, choice: ForwardChoice, accelerator: Any, aux_loss_enabled: bool,
                  fsdp: bool) -> str | None:
     """Why this run's micro-batches cannot be merged (each then runs alone, as unmerged), or None."""
     from accelerate.utils import DistributedType
 
+    deepspeed = (_deepspeed_why_unmerged(args, accelerator)
+                 if accelerator.distributed_type == DistributedType.DEEPSPEED else None)
     reasons = [
         (not choice.pruned, "TRL's own forward trains (pruning and the exact savings are off)"),
-        (accelerator.distributed_type == DistributedType.DEEPSPEED,
-         "DeepSpeed counts backward calls to find the end of an optimizer step"),
+        (deepspeed is not None, deepspeed),
         (fsdp, "FSDP gathers each layer's weights in every forward on every rank, so all ranks must run as many "
                "passes, and a pass holds as many micro-batches as their tokens allow"),
         (_context_parallel(accelerator), "context parallelism splits each micro-batch's sequences across ranks"),
