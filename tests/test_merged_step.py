@@ -200,7 +200,10 @@ def test_why_unmerged_names_each_engine():
         return why_unmerged(SimpleNamespace(**{**vars(args), **fields}), choice, accelerator, aux, fsdp)
 
     assert why() is None
-    assert "DeepSpeed" in why(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    # DeepSpeed on two processes at the default budget (test_distributed.py has its other cases)
+    assert "DeepSpeed" in why(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=2),
+                              step_token_budget=None, max_length=64, per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2)
     assert "FSDP" in why(fsdp=True)
     assert "context parallelism" in why(accelerator=SimpleNamespace(
         distributed_type=DistributedType.MULTI_GPU, parallelism_config=SimpleNamespace(cp_enabled=True)))
