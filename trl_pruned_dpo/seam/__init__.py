@@ -19,6 +19,9 @@ Each private, and what pins it (a test that fails when the assumption breaks, no
 - `Trainer._maybe_log_save_evaluate(tr_loss, grad_norm, ...)` called positionally: checked at import, and
   tests/test_failures.py::test_guard_reads_the_step_gradient_norm (a NaN gradient norm must stop the run);
 - TRL's `_use_triton` switch of the fused head (`compact_lm_head`): `check_compact_lm_head`, once per process;
+- under DeepSpeed ZeRO-3, TRL's `maybe_gather_lm_head_ctx` gathering nothing for a parameter whose DeepSpeed `ds_status`
+  is `AVAILABLE` (`mark_whole_under_zero3`, so the probe's local model runs there):
+  tests/test_distributed.py::test_lm_head_probe_runs_under_zero3;
 - the fused head calling `trl.trainer.utils._ChunkedLogProbFunction.apply`, and
   `trl.kernels.chunked_logprob._use_triton` telling where it folds in Triton (`compact_lm_head` slices the
   positions elsewhere): tests/test_memory.py counts the rows of every head tile (test_head_tiles_are_bounded,
