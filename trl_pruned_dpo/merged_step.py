@@ -96,6 +96,28 @@ def _context_parallel(accelerator: Any) -> bool:
     return config is not None and bool(config.cp_enabled)
 
 
+# accelerate 1.8.0 (huggingface/accelerate#3630) tells DeepSpeed where an optimizer step ends: before each backward,
+# `engine.set_gradient_accumulation_boundary(sync_gradients)`, which transformers sets per micro-batch, and
+# `engine.step()` only at the boundary. A merged pass's backward runs in its last micro-batch's `training_step`, so
+# the step's last pass carries the boundary, as unmerged. Earlier accelerate calls `engine.step()` after every
+# backward and DeepSpeed finds the boundary by counting them (`micro_steps % gradient_accumulation_steps`).
+DEEPSPEED_EXPLICIT_BOUNDARY = "1.8.0"
+
+
+def _deepspeed_why_unmerged() -> str | None:
+    """Why DeepSpeed cannot merge this run's micro-batches, or None. (ZeRO-2/3 reduce the gradients at every backward
+    and ZeRO-3 gathers each layer's weights in every forward: the ranks run the same passes, `agreed_across_ranks`.)"""
+    import accelerate
+    from packaging.version import Version
+
+    if Version(accelerate.__version__) < Version(DEEPSPEED_EXPLICIT_BOUNDARY):
+        return (f"accelerate {accelerate.__version__} lets DeepSpeed find an optimizer step's end by counting "
+                "`engine.step()` calls, one per backward (`micro_steps % gradient_accumulation_steps`), and a merged "
+                f"step runs fewer backwards; accelerate >= {DEEPSPEED_EXPLICIT_BOUNDARY} sets the boundary at each "
+                "backward (`set_gradient_accumulation_boundary`)")
+    return None
+
+
 # The trainer's methods that run once per micro-batch unmerged, and not so in a merged pass: `compute_loss` runs once
 # per pass (with its last micro-batch), `concatenated_forward` not at all (`merged_forward` instead), `training_step`
 # returns a zero loss without a forward or a backward for the micro-batches a pass defers. A subclass's override of
@@ -117,10 +139,10 @@ def why_unmerged(args: Any, choice: ForwardChoice, accelerator: Any, aux_loss_en
     trainer class's `bypassed_overrides`."""
     from accelerate.utils import DistributedType
 
+    deepspeed = _deepspeed_why_unmerged() if accelerator.distributed_type == DistributedType.DEEPSPEED else None
     reasons = [
         (not choice.pruned, "TRL's own forward trains (pruning and the exact savings are off)"),
-        (accelerator.distributed_type == DistributedType.DEEPSPEED,
-         "DeepSpeed counts backward calls to find the end of an optimizer step"),
+        (deepspeed is not None, deepspeed),
         (fsdp and not getattr(accelerator, "is_fsdp2", False),
          "FSDP1 (`fsdp_version: 1`) is not tested with merged passes (FSDP2 is: every rank runs the same passes)"),
         (_context_parallel(accelerator), "context parallelism splits each micro-batch's sequences across ranks"),

@@ -18,7 +18,8 @@ trainers: the import and start-up cost is paid once). Each run is a dict:
 
 Per run and rank it writes DIR/<name>/rank<r>.json (engine, log history, training loss, every mask draw with the
 batch it was drawn for, the gradient buckets DDP all-reduced, per optimizer step the passes run and those the rank's
-own tokens alone would group) and DIR/<name>/weights_rank<r>.pt (the trainable parameters after training, gathered in full
+own tokens alone would group, what it said about the merged step) and DIR/<name>/weights_rank<r>.pt (the trainable
+parameters after training, gathered in full
 whatever the sharding), plus DIR/<name>/weights_initial.pt (rank 0, before training). Nothing touches a hub.
 
 RUN_PRUNED_FSDP_ON_CPU=1 lets accelerate's FSDP run on CPU (see `allow_fsdp_on_cpu`). DeepSpeed runs on CPU as is
@@ -30,6 +31,7 @@ import copy
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -253,7 +255,15 @@ def main():
             torch.save({n: p.detach().float().cpu().clone() for n, p in params if p.requires_grad},
                        folder / "weights_initial.pt")
         resume = str(out / run["resume"]) if run.get("resume") else None
-        result = trainer.train(resume_from_checkpoint=resume)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = trainer.train(resume_from_checkpoint=resume)
+        # What the run said about the merged step (merged_step.StepMerger); every other warning shown once
+        merged_step_said = [str(w.message) for w in caught if str(w.message).startswith("Merged step off")]
+        others = {(str(w.message), w.category, w.filename, w.lineno) for w in caught}
+        for message, category, filename, lineno in sorted(others, key=str):
+            if message not in merged_step_said:
+                warnings.showwarning(message, category, filename, lineno)
         weights, local_numel = trainable_parameters(trainer)
         torch.save(weights, folder / f"weights_rank{rank}.pt")
         report = {
@@ -269,6 +279,7 @@ def main():
             "draws": draws,
             "reductions": reductions.reductions,
             "passes": passes,
+            "merged_step_said": merged_step_said,
             # auto (auto.py): what it measured and chose, the same on every rank
             "auto": {"history": trainer.auto_keep_probs.history, "choice": list(trainer.auto_keep_probs.choice)}
             if getattr(trainer, "auto_keep_probs", None) is not None else None,
