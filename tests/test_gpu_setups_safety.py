@@ -1,0 +1,168 @@
+"""What GPU users run, on CPU (issue 48): fp16 with a loss scaler, an `IterableDataset`, `torch_compile`.
+
+- fp16 + GradScaler. The overflow steps the scaler skips are not divergence; a non-finite loss and a scale that
+  collapses (an overflow at a loss scale of 1 or less) still stop the run (safety/guards.py). Real here: torch's
+  `GradScaler("cpu")`, fp16 autocast on CPU (accelerate's `native_amp` forward wrapper), transformers' default fused
+  AdamW and the non-fused one, the whole Trainer loop with the plugin's pruned, packed forward. Stand-in: accelerate
+  builds no scaler on CPU (it needs a GPU for fp16), so the test gives the accelerator the one it would build on
+  CUDA; and the overflow is forced (a gradient hook multiplies the scaled gradient by inf), where a GPU run overflows
+  by itself.
+- `IterableDataset`: its batches carry the collator's host copy of the token layout, so the plan reads nothing from
+  the device (reference.py), in one process or where each process collates its own batches; batches dispatched from
+  process 0 arrive on the device, one fused read each, said once.
+"""
+
+import math
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from tiny import build_trainer, preference_rows
+from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.errors import TrainingDiverged
+from trl_pruned_dpo.safety import guards
+from trl_pruned_dpo.safety.guards import MIN_LOSS_SCALE, DivergenceGuard
+
+PRUNE = dict(position_keep_prob=0.5)
+
+
+# --- fp16 with a loss scaler: the guard, with stand-ins ---------------------------------------------------------------
+def test_a_step_the_scaler_skipped_is_not_divergence():
+    """Failed before the fix: `observe(1, 0.69, inf)` said "gradient norm is inf" whatever the scaler did."""
+    guard = DivergenceGuard()
+    assert guard.observe(1, 0.69, math.inf, skipped=True, loss_scale=2.0**16) is None
+    assert guard.observe(2, 0.69, math.nan, skipped=True, loss_scale=2.0**15) is None
+    assert guard.observe(3, 0.68, 0.5) is None
+    # the overflow's norm is not the model's: not the worst, not non-finite, counted as skipped
+    assert guard.worst_grad_norm == (3, 0.5) and guard.nonfinite_steps == 0 and guard.skipped_steps == 2
+    assert "2 of 3 steps skipped by the fp16 loss scaler" in guard.summary()
+    # kept across a resume
+    resumed = DivergenceGuard.from_run_state({"guard": guard.state_dict()})
+    assert resumed.skipped_steps == 2
+    # an older checkpoint's guard has no such count
+    old = {k: v for k, v in guard.state_dict().items() if k != "skipped_steps"}
+    assert DivergenceGuard.from_run_state({"guard": old}).skipped_steps == 0
+
+
+def test_the_guard_still_stops_a_real_divergence_under_fp16():
+    guard = DivergenceGuard()
+    # the forward overflowed: no loss scale fixes that
+    assert guard.observe(1, math.nan, math.inf, skipped=True, loss_scale=2.0**16) == "loss is nan"
+    # the scale collapsed: an overflow at a scale of 1 or less
+    assert guard.observe(2, 0.7, math.inf, skipped=True, loss_scale=2.0) is None
+    assert guard.observe(3, 0.7, math.inf, skipped=True, loss_scale=MIN_LOSS_SCALE).startswith(
+        "the fp16 loss scaler skipped it at loss scale 1: its gradient overflows fp16 even unscaled")
+    # without a scaler's skip, a non-finite gradient norm stops as before
+    assert guard.observe(4, 0.7, math.inf) == "gradient norm is inf"
+
+
+class _StandInScaler:
+    """What the guard reads of a `torch.amp.GradScaler`: `is_enabled()` and the device tensor `_scale`."""
+
+    def __init__(self, scale: float):
+        self._scale = torch.tensor(scale)
+
+    def is_enabled(self) -> bool:
+        return True
+
+
+def _stand_in_accelerator(scale: float, flagged: bool) -> SimpleNamespace:
+    return SimpleNamespace(scaler=_StandInScaler(scale), optimizer_step_was_skipped=flagged)
+
+
+@pytest.mark.parametrize("flagged", [False, True], ids=["fused-optimizer", "accelerate-flag"])
+def test_step_values_see_a_skip_either_way(flagged):
+    """A fused optimizer leaves accelerate's flag False: the scale halved says it. A non-fused one: the flag says it."""
+    before = torch.tensor(2.0**16)
+    after = 2.0**16 if flagged else 2.0**15
+    loss, norm, stop, skipped, scale = guards.step_values(_stand_in_accelerator(after, flagged), 1,
+                                                          torch.tensor(0.69), torch.tensor(math.inf), False, before)
+    assert (loss, stop, skipped, scale) == (pytest.approx(0.69), False, True, 2.0**16) and math.isinf(norm)
+    # a good step, and one where the scale grew (after a run of good steps): not skipped
+    for good in (2.0**16, 2.0**17):
+        assert guards.step_values(_stand_in_accelerator(good, False), 1, torch.tensor(0.69), torch.tensor(1.0),
+                                  False, before)[3] is False
+    # no scaler (bf16, fp32): nothing to compare
+    no_scaler = SimpleNamespace(scaler=None, optimizer_step_was_skipped=False)
+    assert guards.step_values(no_scaler, 1, torch.tensor(0.69), 1.0, False)[3:] == (False, None)
+
+
+def _stand_in_trainer(tmp_path, fp16: bool, flagged: bool) -> SimpleNamespace:
+    args = SimpleNamespace(stop_on_divergence=True, world_size=1, fp16=fp16)
+    control = SimpleNamespace(should_training_stop=False, should_save=False, should_evaluate=False)
+    accelerator = SimpleNamespace(scaler=None, optimizer_step_was_skipped=flagged)
+    return SimpleNamespace(args=args, control=control, accelerator=accelerator, state=SimpleNamespace(global_step=3))
+
+
+@pytest.mark.parametrize("fp16", [True, False], ids=["fp16", "bf16-deepspeed"])
+def test_only_an_fp16_skip_is_excused(tmp_path, fp16):
+    """DeepSpeed's bf16 optimizer also skips a step with a non-finite gradient norm (accelerate's flag says so), with
+    no loss scale to back off: there it is divergence. Under fp16 (DeepSpeed's loss scaler, no accelerate scaler) it is
+    not; DeepSpeed stops by itself at its minimum scale."""
+    trainer = _stand_in_trainer(tmp_path, fp16, flagged=True)
+    run_state = SimpleNamespace(stop_request=None, divergence_guard=DivergenceGuard())
+    problem = guards.check_step(trainer, run_state, torch.tensor(0.69), torch.tensor(math.inf), str(tmp_path))
+    if fp16:
+        assert problem is None and run_state.divergence_guard.skipped_steps == 1
+    else:
+        assert "gradient norm is inf" in problem and trainer.control.should_training_stop
+
+
+# --- fp16 with a loss scaler: the real Trainer loop ------------------------------------------------------------------
+class _StepRecorder(TrainerCallback):
+    """Per optimizer step: accelerate's skip flag, the loss scale after the step, and whether the weights moved."""
+
+    def __init__(self, trainer):
+        self.trainer, self.flags, self.scales, self.moved = trainer, [], [], []
+        self._before = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._before = self.trainer.model.model.norm.weight.detach().clone()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.flags.append(self.trainer.accelerator.optimizer_step_was_skipped)
+        self.scales.append(self.trainer.accelerator.scaler.get_scale())
+        self.moved.append(not torch.equal(self._before, self.trainer.model.model.norm.weight))
+
+
+def fp16_scaled_trainer(tokenizer, tmp_path, overflow_steps, init_scale=2.0**4, **overrides):
+    """The plugin's trainer under fp16 autocast with a real `torch.amp.GradScaler` on CPU (accelerate builds it only
+    on a GPU); the scaled gradient overflows (times inf) at the optimizer steps in `overflow_steps`."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(preference_rows(16)),
+                            tmp_path, fp16=True, per_device_train_batch_size=2, max_steps=4, **{**PRUNE, **overrides})
+    assert trainer.accelerator.scaler is None  # accelerate on CPU: the stand-in below is what it builds on CUDA
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    # fp16 autocast around the forward, and unscaling before the gradient norm, as with a GPU scaler
+    trainer.accelerator.native_amp = True
+    weight = trainer.model.get_input_embeddings().weight
+    weight.register_hook(lambda grad: grad * math.inf if trainer.state.global_step in overflow_steps else grad)
+    recorder = _StepRecorder(trainer)
+    trainer.add_callback(recorder)
+    return trainer, recorder
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_fp16_overflow_steps_are_skipped_and_training_goes_on(tokenizer, tmp_path, optim):
+    """Failed before the fix: "training diverged at step 1: gradient norm is inf". With the fused optimizer
+    (transformers' default) accelerate's `optimizer_step_was_skipped` stays False although the scaler skipped the step
+    and halved its scale: the guard sees the halved scale (this pins GradScaler's private `_scale`)."""
+    trainer, recorder = fp16_scaled_trainer(tokenizer, tmp_path, overflow_steps={0, 2}, optim=optim)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert recorder.moved == [False, True, False, True]
+    assert recorder.scales == [8.0, 8.0, 4.0, 4.0]  # backed off at each overflow
+    assert recorder.flags == ([False] * 4 if optim == "adamw_torch_fused" else [True, False, True, False])
+    guard = trainer.run_state.divergence_guard
+    assert guard.skipped_steps == 2 and guard.nonfinite_steps == 0 and math.isfinite(guard.worst_grad_norm[1])
+
+
+def test_fp16_scale_collapse_stops_the_run(tokenizer, tmp_path):
+    """Every step overflows: from a scale of 2 the scaler skips at 2, then at 1, where the run stops."""
+    trainer, recorder = fp16_scaled_trainer(tokenizer, tmp_path, overflow_steps=range(10), init_scale=2.0)
+    with pytest.raises(TrainingDiverged, match=r"diverged at step 2: the fp16 loss scaler skipped it at loss scale 1"):
+        trainer.train()
+    assert recorder.moved == [False, False]
