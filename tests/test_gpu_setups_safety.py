@@ -166,3 +166,84 @@ def test_fp16_scale_collapse_stops_the_run(tokenizer, tmp_path):
     with pytest.raises(TrainingDiverged, match=r"diverged at step 2: the fp16 loss scaler skipped it at loss scale 1"):
         trainer.train()
     assert recorder.moved == [False, False]
+
+
+# --- IterableDataset: the collator's host copy -----------------------------------------------------------------------
+def iterable_trainer(tokenizer, tmp_path, **overrides):
+    data = Dataset.from_list(preference_rows(16)).to_iterable_dataset()
+    settings = dict(max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, **PRUNE)
+    return build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, data, tmp_path, **{**settings, **overrides})
+
+
+def test_an_iterable_dataset_plans_without_device_reads(tokenizer, tmp_path):
+    """Failed before the fix: `host_batch` copied the three layout tensors from the device, 3 reads per micro-step
+    (benchmarks/passes.py's probe: `host copy (device) trl_pruned_dpo/reference.py`). In one process accelerate's
+    dispatcher passes the collated batch, host copy included, through unchanged."""
+    from benchmarks.passes import measure
+
+    trainer = iterable_trainer(tokenizer, tmp_path)
+    result = measure(trainer, capture_update=False)
+    plugin_copies = {site: count for phase, sites in result["sites"].items() for site, count in sites.items()
+                     if "trl_pruned_dpo/reference.py" in site}
+    assert plugin_copies == {}
+    assert trainer.state.global_step == 2
+
+
+def test_an_iterable_dataset_trains_merged_as_unmerged(tokenizer, tmp_path):
+    """With its host copy, an iterable dataset's step merges (merged_step.py needs the copy); it trains as unmerged."""
+    merged, unmerged = (iterable_trainer(tokenizer, tmp_path / name, step_token_budget=budget, max_steps=3)
+                        for name, budget in (("merged", 10**9), ("unmerged", 0)))
+    passes = []
+    original = merged.merged_forward
+    merged.merged_forward = lambda model, batches: passes.append(len(batches)) or original(model, batches)
+    merged.train()
+    unmerged.train()
+    assert passes and all(size == 2 for size in passes)
+    for a, b in zip(merged.state.log_history, unmerged.state.log_history, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins"):
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("world, dispatch, dispatched", [(1, None, False), (2, None, True), (2, True, True),
+                                                          (2, False, False)])
+def test_dispatched_iterable_batches_are_said_once(world, dispatch, dispatched):
+    """Across processes accelerate dispatches an IterableDataset's batches from process 0 as device tensors (unless
+    `dispatch_batches=False`): no host copy can travel, the collator attaches none and says so."""
+    from trl_pruned_dpo.reference import HostCopyCollator, batches_dispatched, pruned_collator
+
+    args = SimpleNamespace(world_size=world, accelerator_config=SimpleNamespace(dispatch_batches=dispatch),
+                           precompute_ref_log_probs=False)
+    data = Dataset.from_list(preference_rows(4)).to_iterable_dataset()
+    assert batches_dispatched(args, data) is dispatched
+    assert batches_dispatched(args, Dataset.from_list(preference_rows(4))) is False  # map-style: each its own
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        collator = pruned_collator(object(), args, data)
+    assert isinstance(collator, HostCopyCollator) is not dispatched
+    said = [str(w.message) for w in caught]
+    assert (said == []) if not dispatched else (len(said) == 1 and "dispatch_batches': False" in said[0])
+
+
+def test_the_fallback_host_copy_is_one_transfer():
+    """Without the collator's copy (dispatched batches, precompute, custom loops): one device->host copy of the three
+    layout tensors, each keeping its dtype."""
+    from trl_pruned_dpo.reference import host_batch
+
+    inputs = {"input_ids": torch.tensor([[5, 6, 0]]), "attention_mask": torch.tensor([[1, 1, 0]], dtype=torch.int32),
+              "completion_mask": torch.tensor([[0, 1, 0]], dtype=torch.bool)}
+    copies = []
+    original = torch.Tensor.cpu
+
+    def counted(tensor, *args, **kwargs):
+        copies.append(tensor.shape)
+        return original(tensor, *args, **kwargs)
+
+    torch.Tensor.cpu = counted
+    try:
+        host = host_batch(inputs)
+    finally:
+        torch.Tensor.cpu = original
+    assert copies == [torch.Size([3, 1, 3])]
+    for key in inputs:
+        assert torch.equal(getattr(host, key), inputs[key]) and getattr(host, key).dtype == inputs[key].dtype
