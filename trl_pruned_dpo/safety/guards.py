@@ -4,20 +4,22 @@
   (docs/method.md, Eqs. 1-3: 1 / (p_pos * q_min) for a scored token, times 1 / p_br for its gradient) above
   `MAX_INVERSE_WEIGHT`, and `beta = 0` (the loss no longer depends on the policy: no gradient).
 - During training (`DivergenceGuard`): a non-finite loss or gradient norm stops the run before that step is
-  checkpointed, naming the last good checkpoint. A step the fp16 loss scaler skipped is not divergence: its gradient
-  overflowed at the scale it ran under, the scaler halved the scale and nothing was updated (normal fp16 training).
-  Such a step stops the run only when its loss is non-finite (the forward overflowed: no loss scale fixes that) or it
-  overflowed at a loss scale of `MIN_LOSS_SCALE` or less (the gradient overflows fp16 unscaled). On by default only when the pruned forward is used
+  checkpointed, naming the last good checkpoint. On by default only when the pruned forward is used
   (`stop_on_divergence` unset); with every pruning off it is off, as stock trains on. A step `divergence_factor` times
   the median of the steps before it stops the run only when that field is set: a saturating DPO loss (median ~1e-4)
   meets one ordinary hard batch (~0.7) as a 7000x "explosion". Stock Trainer logs hide a NaN loss
   (`logging_nan_inf_filter` replaces it by the running mean), so the check reads every step's own loss: one fused
-  device->host read per optimizer step (loss, gradient norm, and the stop-signal flag of safety/signals.py), none
-  when the guard is off and no signal handler needs it. The skip is seen two ways, either enough: accelerate's
-  `optimizer_step_was_skipped` (a non-fused optimizer, DeepSpeed), and the loss scale after the optimizer step below
-  the one the step ran under (the fused optimizers, transformers' default `adamw_torch_fused`, take the scaler's
-  found-inf flag into their own kernel, so accelerate sees the step called and its flag stays False).
-- The worst values seen (largest loss and gradient norm, non-finite and zero-gradient steps) are kept for the
+  device->host read per optimizer step (loss, gradient norm, the stop-signal flag of safety/signals.py, and the
+  loss scaler's skip), none when the guard is off and no signal handler needs it.
+- fp16 with a loss scaler: a step the scaler skipped is not divergence. Its gradient overflowed at the scale it ran
+  under, the scaler backed the scale off and nothing was updated (normal fp16 training). It stops the run only when
+  its loss is non-finite (the forward overflowed: no loss scale fixes that) or it overflowed at a loss scale of
+  `MIN_LOSS_SCALE` or less (the gradient overflows fp16 unscaled). The skip is seen two ways, either enough:
+  accelerate's `optimizer_step_was_skipped` (a non-fused optimizer, DeepSpeed), and the loss scale after the
+  optimizer step below the one the step ran under (the fused optimizers, transformers' default `adamw_torch_fused`,
+  take the scaler's found-inf flag into their own kernel, so accelerate sees the step called and its flag stays
+  False).
+- The worst values seen (largest loss and gradient norm, non-finite, zero-gradient and skipped steps) are kept for the
   summary, and saved in checkpoints so that a resumed run reports the whole run's.
 """
 
@@ -203,7 +205,8 @@ def loss_scale(scaler: Any) -> "torch.Tensor | None":
     would read it to the host, a sync), or None without an enabled scaler or before its first `scale()`. The scaler
     updates that tensor in place; the caller copies what it keeps. Pinned by tests/test_gpu_setups_safety.py (a real
     GradScaler's skip seen through it with the fused optimizer)."""
-    if scaler is None or not scaler.is_enabled():
+    # accelerate's scalers are GradScalers (FSDP's sharded one included); anything else is read as enabled
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
         return None
     return getattr(scaler, "_scale", None)
 
