@@ -350,7 +350,7 @@ class PrunedDPOTrainer(DPOTrainer):
             loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
             self._pass = None
-        self.run_state.add_loss(loss)
+        self.run_state.add_loss(loss, self.accelerator.scaler)
         # The backward is done, the gradient not clipped yet.
         if self._auto is not None:
             self._auto.after_backward(self.state.global_step)
