@@ -434,3 +434,25 @@ def test_transformers_names_the_gpu_paths_rely_on():
     x.register_hook(lambda g: order.append("leaf"))
     y.backward()
     assert order == ["leaf", "end"]
+
+
+def test_latent_attention_heads_train_exact_through_the_kernel(tokenizer, tmp_path, monkeypatch):
+    """Stand-in: the CUDA branch on CPU float32 (`_on_kernel` true) with a varlen_attn that, as the real ones, takes
+    one head size. DeepSeek-V3 with values 4 wide against keys 8: every packed attention call runs the kernel (values
+    padded), and training is exact against stock."""
+    from test_exactness_matrix import tiny_family
+
+    calls = []
+
+    def varlen(q, k, v, *args, **kwargs):
+        assert q.size(-1) == k.size(-1) == v.size(-1), "one head size"
+        calls.append(q.size(-1))
+        return naive_varlen(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen)
+    monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
+    monkeypatch.setattr(attention, "_VERIFIED", {})
+    stock, pruned = pair_of_trainers(lambda tok: tiny_family("deepseek_v3", tok, v_head_dim=4), tokenizer, tmp_path,
+                                     **ONLY["share_prompt"])
+    assert_exact(stock, pruned)
+    assert len(calls) > 2 and set(calls) == {8} and pruned.forward_choice.kernel == "torch varlen_attn"

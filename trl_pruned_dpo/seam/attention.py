@@ -2,12 +2,16 @@
 
 A packed group (plan.py) is one row of segments: a segment's queries are its tokens, its keys (`kv_index`) its pair's
 shared part then itself, causal aligned lower-right. CUDA bf16/fp16: a varlen kernel (flash_attn's where the user
-loaded `flash_attention_2` and it is installed, else `torch.nn.attention.varlen.varlen_attn`; GQA without repeating
-K/V), each used once a check on random segments finds it agrees with SDPA (`_verify`); elsewhere, or where a kernel
-disagrees, SDPA per segment over the same metadata: cost Σ queries × keys, never (length)². The metadata is a model
-kwarg, so gradient checkpointing's replay of a layer sees it. `use_packed` names `PACKED` in the configs until undone
-(at the trainer's next stock forward, or the end of `train()`): the replay runs in the backward and reads the config
-then; meanwhile a call without the metadata (generation, a callback) gets the user's own attention and mask.
+loaded `flash_attention_2` and it is installed, else `torch.nn.attention.varlen.varlen_attn`, also for FA3, hub-kernel
+and flex users; GQA without repeating K/V; values narrower than keys padded), each used once a check on random
+segments finds it agrees with SDPA (`_verify`); float32 queries cast where stock computes in half precision
+(`_compute_dtype`); elsewhere, or where a kernel disagrees, SDPA per segment over the same metadata: cost Σ queries ×
+keys, never (length)². The first packed forward of each model says its kernel (`kernel_of`). The metadata is a model
+kwarg (moved to each layer's device), so gradient checkpointing's replay of a layer sees it. `use_packed` arms the
+configs; an armed config names `PACKED` only during a packed forward (`packed_forward`) and until the backward of one
+that needs a gradient has ended (`keep_until_backward`: the replay runs in the backward and reads the config then),
+the user's own implementation otherwise: a generation or evaluation callback runs the user's attention, whatever it
+is. A call without the metadata inside that window gets the user's own attention and mask, under the user's name.
 Windows, soft-capping, sinks (docs/method.md, "Windows, soft-capping, sinks, families"): inside a packed forward the
 mask builders return a `PackedMask` (the layer's sliding window, as stock's mask would apply it, and the metadata), so
 each layer type gets its own window; `softcap` and `s_aux` arrive as the model passes them. The kernel check is keyed
@@ -16,8 +20,10 @@ model file; any other family is checked by the trainer on its first batch).
 Branch pruning (plan.plan_split): the grad forward keeps, detached, the keys and values (after rotary and QK-norm, as
 the attention receives them) of the tokens its frozen group reads; the frozen forward puts them before its own keys
 (`SharedKeys`), so a dropped branch never runs its prompt again.
-Relies on transformers' `config._attn_implementation`, the mask builders' `local_size` and each model file's
-`eager_attention_forward` (pinned by tests/test_packed_kernels.py and the exactness matrix).
+Relies on transformers' `config._attn_implementation`, the mask builders' `local_size` and their call of
+`find_packed_sequence_indices` by its module name (skipped inside a packed forward: no device read), each model
+file's `eager_attention_forward`, the flash wrapper's `get_target_dtype`, and autograd's end-of-backward callback
+(pinned by tests/test_packed_kernels.py, tests/test_gpu_setups_attention.py and the exactness matrix).
 """
 
 import dataclasses
