@@ -11,8 +11,6 @@ There is no GPU here. A GPU-only cell runs with a stand-in, and its docstring sa
   mode (meta kernels mix devices silently, real ones raise).
 """
 
-import copy
-import logging as std_logging
 import sys
 
 import pytest
@@ -114,6 +112,20 @@ def test_a_forward_without_metadata_gets_the_users_flash_attention(name, flash_s
     assert set(flash_standin) == {name}
     loss.backward()
     assert pruned.model.config._attn_implementation == name
+
+
+@pytest.mark.parametrize("name", ["sdpa", "eager"])
+def test_sdpa_and_eager_users_get_their_attention_back_after_each_backward(name, tokenizer, tmp_path):
+    """sdpa or eager loaded, gradient checkpointing on: exact against stock with the same attention, and after each
+    backward the configs name the user's own again; a forward then is the user's (left padding)."""
+    stock, pruned = pair_of_trainers(family("llama"), tokenizer, tmp_path, **ONLY["share_prompt"])
+    _loaded_with(stock, name)
+    _loaded_with(pruned, name)
+    expected = _logits(stock.model)
+    assert_exact(stock, pruned, checkpointing=True)
+    assert pruned.model.config._attn_implementation == pruned.ref_model.config._attn_implementation == name
+    pruned.model.eval()
+    torch.testing.assert_close(_logits(pruned.model), expected)
 
 
 def test_a_generation_callback_between_steps_runs_the_users_attention(flash_standin, tokenizer, tmp_path):

@@ -171,12 +171,15 @@ def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...
         outputs = model(**_padded_inputs(inputs, group, device), shift_labels=group.shift_labels.to(**to),
                         use_cache=False, fused_lm_head=True, **model_kwargs)
     source = group.source.to(**to)
-    per_token = {}
+    routes, per_token = {}, {}
     for name in wanted:
         flat = getattr(outputs, name).reshape(-1)
         # Under `device_map` the head may sit on another device than the inputs: gather there, hand back here.
-        at = source.to(flat.device)
-        picked = torch.where(at >= 0, flat[at.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=flat.device))
+        if flat.device not in routes:
+            at = source.to(flat.device)
+            routes[flat.device] = (at >= 0, at.clamp(min=0))
+        hit, index = routes[flat.device]
+        picked = torch.where(hit, flat[index], torch.zeros((), dtype=flat.dtype, device=flat.device))
         per_token[name] = picked.to(device, non_blocking=True)
     return per_token, outputs
 

@@ -406,8 +406,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if dtype != q.dtype:  # float32 queries where stock computes in half precision (`_compute_dtype`); cast back below
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     kernel, why = _choose(q, k, backend, variant, v.size(-1))
-    if config is not None:
-        _note(config, kernel, why, query.dtype, dtype, kernel is None and _on_kernel_device(q) and not why.endswith(SAID))
+    if config is not None:  # the per-segment path on CUDA is the slow one: said, unless `_verify` has said it
+        slow = kernel is None and _on_kernel_device(q) and not why.endswith(SAID)
+        _note(config, kernel, why, query.dtype, dtype, slow)
     if kernel is None:
         out = _per_segment(q, k, v, packing, scaling, variant, sinks)
     else:
@@ -441,7 +442,7 @@ def _users_call(module, *args, **kwargs):
 
 def _packed_mask(*args, **kwargs):
     """No mask inside a packed forward (the metadata is the mask; the sliding window, if any, rides along as a
-    `PackedMask`); the user's backend's mask otherwise (none for a backend without a mask entry, as stock's builders)."""
+    `PackedMask`); the user's backend's mask otherwise (none for a backend without a mask entry, as stock's)."""
     if _packings:
         return PackedMask(kwargs.get("local_size"), _packings[-1])
     name = _users(kwargs.get("config"))
