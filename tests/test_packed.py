@@ -372,10 +372,11 @@ def test_plan_has_no_padding_and_packs_left_padded_rows():
 
 
 def test_attention_is_restored_and_delegates_meanwhile(tokenizer, tmp_path):
-    """Between a packed step and the trainer's next stock forward the configs name the packed attention; a forward
-    without packed metadata then is the user's backend's, mask included (left padding here). Evaluation restores."""
+    """Between a packed forward and the end of its backward the configs name the packed attention (checkpointing
+    replays there); a forward without packed metadata then is the user's backend's, mask included (left padding
+    here). After the backward, and after evaluation, they name the user's own."""
     stock, pruned = pair_of_trainers(family("qwen2"), tokenizer, tmp_path, **ONLY["share_prompt"])
-    loss_and_grads(pruned, first_batch(pruned, 8))
+    loss = pruned.compute_loss(pruned.model, first_batch(pruned, 8))
     assert pruned.model.config._attn_implementation == attention.PACKED
     assert pruned.ref_model.config._attn_implementation == attention.PACKED
     user = copy.deepcopy(pruned.model)
@@ -385,6 +386,9 @@ def test_attention_is_restored_and_delegates_meanwhile(tokenizer, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(pruned.model(input_ids=ids, attention_mask=mask).logits,
                                    user(input_ids=ids, attention_mask=mask).logits)
+    loss.backward()
+    assert pruned.model.config._attn_implementation == pruned.ref_model.config._attn_implementation == "sdpa"
+    loss_and_grads(pruned, first_batch(pruned, 8))
     batch = first_batch(pruned, 8)
     pruned.model.eval()
     pruned.compute_loss(pruned.model, batch)  # evaluation: TRL's own path

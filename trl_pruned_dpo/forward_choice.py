@@ -56,6 +56,18 @@ class ForwardChoice:
     models: tuple = dataclasses.field(default=(), repr=False)
     unproven: tuple = dataclasses.field(default=(), repr=False)
 
+    @property
+    def kernel(self) -> str | None:
+        """The attention kernel the packed rows run, named at the first packed forward (`attention.kernel_of`):
+        "torch varlen_attn", "flash_attn varlen" or "SDPA per segment" ("a + b" where a model's layers differ;
+        "policy: a; reference: b" where the models differ). None before the first packed forward, or not packed."""
+        names = [attention.kernel_of(model) for model in self.models] if self.packed else []
+        if not any(names):
+            return None
+        if len(set(names)) == 1:
+            return names[0]
+        return "; ".join(f"{role}: {name}" for role, name in zip(("policy", "reference"), names) if name)
+
     def layout(self, inputs: dict) -> Layout:
         """How this batch runs: a batch with per-token inputs other than token ids runs padded."""
         packed = self.packed and not (set(inputs) - SHAREABLE_KEYS)

@@ -22,7 +22,7 @@ from .method.masks import PruneMasks
 from .method.plan import Layout, MicroStepPlan, PackedGroup, WorkCounts, concat_groups, split_grid
 from .reference import NON_MODEL_KEYS, REF_TOKEN_KEY
 from .seam import compact_lm_head, no_grad_block, reference_context
-from .seam.attention import PACKING_KWARG, Packing, SharedKeys, packed_forward
+from .seam.attention import PACKING_KWARG, Packing, SharedKeys, keep_until_backward, packed_forward
 
 # TRL's per-token outputs the loss and its metrics read; `log_sum_sq_probs` only with `use_weighting`.
 FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
@@ -154,6 +154,8 @@ def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...
                 outputs = model(input_ids=group.input_ids.to(**to), position_ids=group.position_ids.to(**to),
                                 shift_labels=group.shift_labels.to(**to), use_cache=False, fused_lm_head=True,
                                 **{PACKING_KWARG: packing}, **model_kwargs)
+                # The configs name the packed attention until this forward's backward (checkpointing replays there).
+                keep_until_backward(outputs.values())
         finally:  # kept once per forward (checkpointing's replay keeps nothing), freed once read
             if keeps is not None:
                 keeps.close()
@@ -163,11 +165,16 @@ def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...
         outputs = model(**_padded_inputs(inputs, group, device), shift_labels=group.shift_labels.to(**to),
                         use_cache=False, fused_lm_head=True, **model_kwargs)
     source = group.source.to(**to)
-    hit = source >= 0
-    per_token = {}
+    routes, per_token = {}, {}
     for name in wanted:
         flat = getattr(outputs, name).reshape(-1)
-        per_token[name] = torch.where(hit, flat[source.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=device))
+        # Under `device_map` the head may sit on another device than the inputs: gather there, hand back here.
+        if flat.device not in routes:
+            at = source.to(flat.device)
+            routes[flat.device] = (at >= 0, at.clamp(min=0))
+        hit, index = routes[flat.device]
+        picked = torch.where(hit, flat[index], torch.zeros((), dtype=flat.dtype, device=flat.device))
+        per_token[name] = picked.to(device, non_blocking=True)
     return per_token, outputs
 
 
