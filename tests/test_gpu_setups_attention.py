@@ -468,3 +468,14 @@ def test_latent_attention_heads_train_exact_through_the_kernel(tokenizer, tmp_pa
                                      **ONLY["share_prompt"])
     assert_exact(stock, pruned)
     assert len(calls) > 2 and set(calls) == {8} and pruned.forward_choice.kernel == "torch varlen_attn"
+
+
+def test_the_run_records_its_kernel_in_each_checkpoint(tokenizer, tmp_path):
+    """The kernel the packed rows ran is part of the run's record: each checkpoint's run state holds it
+    (safety/checkpoints.py), beside `forward_choice.kernel` and the CLI summary's line."""
+    from trl_pruned_dpo.safety.checkpoints import read_run_state
+
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(edge_rows()), tmp_path,
+                            per_device_train_batch_size=4, max_steps=1, save_strategy="steps", save_steps=1)
+    trainer.train()
+    assert read_run_state(tmp_path / "checkpoint-1", 0)["attention_kernel"] == "SDPA per segment"

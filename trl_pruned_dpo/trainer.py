@@ -376,5 +376,7 @@ class PrunedDPOTrainer(DPOTrainer):
         # The logging window saved below holds values, not device counts.
         self._pending.flush(train_metrics(self))
         state = {"window": logging_window(self, self._pending.deferred), **self.run_state.state_dict(),
-                 "auto": self._auto.state_dict() if self._auto is not None else None}
+                 "auto": self._auto.state_dict() if self._auto is not None else None,
+                 # The run's record of the attention kernel its packed rows ran (named at the first packed forward).
+                 "attention_kernel": self._forward_choice.kernel}
         checkpoints.save_complete(self, super()._save_checkpoint, model, trial, state, run_output_dir(self, trial))
