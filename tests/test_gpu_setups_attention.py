@@ -479,3 +479,15 @@ def test_the_run_records_its_kernel_in_each_checkpoint(tokenizer, tmp_path):
                             per_device_train_batch_size=4, max_steps=1, save_strategy="steps", save_steps=1)
     trainer.train()
     assert read_run_state(tmp_path / "checkpoint-1", 0)["attention_kernel"] == "SDPA per segment"
+
+
+def test_a_forward_never_backpropagated_does_not_hold_the_packed_attention(tokenizer, tmp_path):
+    """A packed grad forward whose outputs are dropped without a backward (a user's probe, a test) leaves nothing
+    pending: the next packed grad forward starts afresh, and after its backward the configs name the user's own."""
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(edge_rows()), tmp_path,
+                            per_device_train_batch_size=4)
+    trainer.model.train()
+    batch = first_batch(trainer, 4)
+    trainer.concatenated_forward(trainer.model, batch)  # dropped: no backward
+    trainer.compute_loss(trainer.model, batch).backward()
+    assert trainer.model.config._attn_implementation == "sdpa"

@@ -538,6 +538,10 @@ def packed_forward(packing: Packing | None = None):
     mask builders return `PackedMask`s carrying `packing`, for models whose layers pass the mask but not their kwargs
     on to the attention) and transformers' packed-sequence detection is skipped. Once the outermost ends, the configs
     name the users' own again, unless a backward is pending (`keep_until_backward`); the first one says the kernel."""
+    # A new grad forward: a pending backward of an earlier one was abandoned (its forward never backpropagated), or it
+    # runs with this one's and re-points the configs itself (`keep_until_backward`'s hook) when it starts.
+    if not _packings and torch.is_grad_enabled():
+        _held[0] = 0
     _packings.append(packing)
     _point(True)
     try:
