@@ -1,5 +1,5 @@
 """Two processes on CPU, launched with `accelerate launch` and the shipped configs/accelerate/*.yaml: the pruned
-trainer under DDP, FSDP2 and DeepSpeed ZeRO-3 (ZeRO-2 on request), all over gloo.
+trainer under DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, all over gloo.
 
 Per engine, one launch of tests/distributed/run_pruned.py trains several tiny runs in the same two processes (the
 start-up is most of the cost) and records, per rank, every mask draw with its batch and the final weights. Checked:
@@ -11,13 +11,16 @@ start-up is most of the cost) and records, per rank, every mask draw with its ba
   masks; a resumed run continues the stream (same masks, same weights as the uninterrupted run);
 - pruning off, two processes: the same losses, metrics and weights as stock `trl.DPOTrainer` on two processes (every
   pruning and exact saving off: stock's code; `share_prompt` alone; and `PrunedDPOConfig`'s defaults, exact savings on);
-- FSDP2 and ZeRO-3 (parameters really sharded: each rank holds half of them) end every run on DDP's weights;
-- the merged step (merged_step.py): under DDP each step's micro-batches run in one pass, all-reduced as often as
-  unmerged (once per step), with the unmerged run's masks, losses and weights; FSDP and DeepSpeed fall back.
+- FSDP2, ZeRO-2 and ZeRO-3 (FSDP2 and ZeRO-3: parameters really sharded, each rank holds half of them) end every run
+  on DDP's weights;
+- the merged step (merged_step.py): under DDP and DeepSpeed each step's micro-batches run in one pass, with the
+  unmerged run's masks, losses and weights (DDP: all-reduced as often as unmerged, once per step; DeepSpeed: the step's
+  end set by accelerate at each backward); FSDP falls back, and DeepSpeed at a budget that does not hold a whole step,
+  each saying why once.
 
 On CPU: accelerate runs FSDP only on accelerator devices, so the runner's test-only shim (`allow_fsdp_on_cpu`) lets
 it through (torch's FSDP2 itself works over gloo); DeepSpeed runs with `DS_ACCELERATOR=cpu` and is skipped where it
-is not installed. docs/distributed.md says what this does and does not cover, and the GPU commands.
+is not installed (CI installs it and fails instead: TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1). docs/distributed.md says what this does and does not cover, and the GPU commands.
 """
 
 import importlib.util
@@ -29,6 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -42,6 +46,12 @@ SEED = 0  # the runner's `seed`, hence `prune_seed`
 PRUNED = {"branch_keep_prob": 0.5, "position_keep_prob": 0.7, "prefix_prune_prob": 0.5}
 ACCUM = {"gradient_accumulation_steps": 2, "max_steps": 4}
 MERGED = {"position_keep_prob": 0.7, "prefix_prune_prob": 0.5, "share_prompt": True, "padding_free": True, **ACCUM}
+# Ragged prompts, accumulation 4, the default budget: at step 2 rank 0's own tokens group [3, 1], rank 1's [2, 2]
+RAGGED = {**MERGED, "gradient_accumulation_steps": 4, "max_steps": 2}
+# Where the ragged cells run: every engine merges (the ranks agree on their passes, merged_step.py); the LoRA
+# reference and branch pruning's frozen forward are left out under ZeRO-2 (its forward is DDP's) to keep CI short.
+MERGING = ("ddp", "fsdp", "zero2", "zero3")
+MERGING_HEAVY = ("ddp", "fsdp", "zero3")
 AUTO = {"branch_keep_prob": "auto", "gradient_accumulation_steps": 2, "max_steps": 8,
         "gradient_checkpointing_kwargs": {"use_reentrant": True}}
 RUNS = [
@@ -65,10 +75,22 @@ RUNS = [
     {"name": "shared", "config": {**PRUNED, **ACCUM, "share_prompt": True}},
     # padding_free (the packed forward without shared prompts), pruning on
     {"name": "packed", "config": {**PRUNED, "padding_free": True, "max_steps": 2}},
-    # the merged step (merged_step.py): each optimizer step's two micro-batches in one pass under DDP (FSDP and
-    # DeepSpeed fall back, one pass per micro-batch), against its unmerged twin
+    # the merged step (merged_step.py): each optimizer step's two micro-batches in one pass under every engine,
+    # against its unmerged twin
     {"name": "merged", "config": {**MERGED, "step_token_budget": 10**9}},
     {"name": "merged-off", "config": {**MERGED, "step_token_budget": 0}},
+    # ranks whose micro-batches group differently (every engine): the LoRA reference
+    # (the policy, adapter disabled: TRL's LoRA recipe) and a separate one, each against its unmerged twin
+    {"name": "ragged-peft", "reference": "peft", "data": "ragged", "config": RAGGED, "engines": MERGING_HEAVY},
+    {"name": "ragged-peft-off", "reference": "peft", "data": "ragged", "config": {**RAGGED, "step_token_budget": 0},
+     "engines": MERGING_HEAVY},
+    {"name": "ragged", "data": "ragged", "config": RAGGED, "engines": MERGING},
+    {"name": "ragged-off", "data": "ragged", "config": {**RAGGED, "step_token_budget": 0}, "engines": MERGING},
+    # branch pruning merged: one grad and one frozen forward per pass, the frozen one outside DDP's wrapper
+    {"name": "ragged-branch", "data": "ragged", "config": {**RAGGED, "branch_keep_prob": 0.5},
+     "engines": MERGING_HEAVY},
+    {"name": "ragged-branch-off", "data": "ragged", "config": {**RAGGED, "branch_keep_prob": 0.5,
+                                                               "step_token_budget": 0}, "engines": MERGING_HEAVY},
     # auto (auto.py): the ranks hold different pairs; norms from the micro-batch vs the accumulated, all-reduced
     # gradient, reentrant checkpointing; a checkpoint mid-run to resume from; and one pair per rank, no accumulation
     {"name": "auto", "config": {**AUTO, "save_strategy": "steps", "save_steps": 4}},
@@ -104,12 +126,19 @@ EXPECTED_TYPE = {
 }
 SHARDED = {"fsdp", "zero3"}  # each rank holds only its shard of the parameters
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
-# Engines tested, e.g. TEST_DISTRIBUTED_ENGINES=ddp,zero2. ZeRO-2 is left out by default to keep the file near three
-# minutes on two cores: its forward is DDP's (parameters whole on every rank); only gradients and optimizer states
-# are partitioned. The DeepSpeed ones are skipped where DeepSpeed is not installed.
-TESTED = os.environ.get("TEST_DISTRIBUTED_ENGINES", "ddp,fsdp,zero3").split(",")
+# CI sets TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1 (.ci/run installs DeepSpeed): there a missing DeepSpeed fails the ZeRO
+# cells instead of skipping them, so a green CI means they ran.
+REQUIRE_DEEPSPEED = os.environ.get("TEST_DISTRIBUTED_REQUIRE_DEEPSPEED") == "1"
+# Engines tested, e.g. TEST_DISTRIBUTED_ENGINES=ddp,zero2. The DeepSpeed ones are skipped where DeepSpeed is not
+# installed (failed under TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1).
+TESTED = os.environ.get("TEST_DISTRIBUTED_ENGINES", ",".join(ENGINES)).split(",")
 if unknown := set(TESTED) - set(ENGINES):
     raise ValueError(f"TEST_DISTRIBUTED_ENGINES: unknown {sorted(unknown)}; choose among {list(ENGINES)}")
+
+
+def runs_on(engine: str) -> list[dict]:
+    """The runs launched under `engine`: all but those a run's `engines` leaves out."""
+    return [run for run in RUNS if engine in run.get("engines", ENGINES)]
 
 
 def launch(engine: str, out: Path, runs: list, timeout: int = 300) -> None:
@@ -135,13 +164,17 @@ def launch(engine: str, out: Path, runs: list, timeout: int = 300) -> None:
         "--num_processes", str(WORLD), "--mixed_precision", "no", "--main_process_port", str(free_port()),
         str(RUNNER), "--spec", str(spec), "--out", str(out),
     ]
-    # Own process group, so that a hang (the failure mode of a rank running other modules) is killed whole
+    # Own process group, so that a hang (the failure mode of a rank running other modules) is killed whole (below)
     proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=timeout)
         hung = False
     except subprocess.TimeoutExpired:
+        # torch's elastic agent starts each worker in a session of its own: kill them by descent, or a hung worker
+        # outlives the group and holds the output pipe open
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         hung = True
@@ -154,14 +187,24 @@ def launch(engine: str, out: Path, runs: list, timeout: int = 300) -> None:
 _LAUNCHED: dict[str, Path | str] = {}  # engine -> output folder, or the failure message (launched once per session)
 
 
+def needs_deepspeed() -> None:
+    """Skip where DeepSpeed is not installed; fail instead under TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1 (CI)."""
+    if HAS_DEEPSPEED:
+        return
+    message = "DeepSpeed is not installed (`pip install deepspeed`: it runs on CPU, see docs/distributed.md)"
+    if REQUIRE_DEEPSPEED:
+        pytest.fail(f"{message}, and TEST_DISTRIBUTED_REQUIRE_DEEPSPEED=1 requires it")
+    pytest.skip(message)
+
+
 def launched(engine: str, tmp_path_factory) -> Path:
     """The output folder of the engine's launch."""
-    if engine.startswith("zero") and not HAS_DEEPSPEED:
-        pytest.skip("DeepSpeed is not installed (`pip install deepspeed`: it runs on CPU, see docs/distributed.md)")
+    if engine.startswith("zero"):
+        needs_deepspeed()
     if engine not in _LAUNCHED:
         out = tmp_path_factory.mktemp(engine)
         try:
-            launch(engine, out, RUNS)
+            launch(engine, out, runs_on(engine))
             _LAUNCHED[engine] = out
         except (AssertionError, pytest.fail.Exception) as error:
             _LAUNCHED[engine] = f"{engine}: the launch failed earlier (log: {out / 'launch.log'})"
@@ -169,6 +212,40 @@ def launched(engine: str, tmp_path_factory) -> Path:
     if isinstance(_LAUNCHED[engine], str):
         pytest.fail(_LAUNCHED[engine])
     return _LAUNCHED[engine]
+
+
+def test_lm_head_probe_runs_under_zero3(monkeypatch):
+    """The plugin's lm-head probe (`seam.check_compact_lm_head`, run in every trainer's constructor) under a ZeRO-3
+    config, in this one process: TRL's fused head then goes through `maybe_gather_lm_head_ctx`, which reads DeepSpeed's
+    `ds_status` from every parameter it is handed. Before the fix every rank's constructor failed there
+    (`'Parameter' object has no attribute 'ds_status'`); the probe's local model now marks its parameters whole
+    (`seam.mark_whole_under_zero3`). Also pins the TRL private that relies on: a parameter `AVAILABLE` is not
+    gathered (a null context)."""
+    needs_deepspeed()
+    if not ON_GPU:
+        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from contextlib import nullcontext
+
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from transformers.integrations.deepspeed import (HfDeepSpeedConfig, is_deepspeed_zero3_enabled,
+                                                     unset_hf_deepspeed_config)
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    from trl_pruned_dpo import seam
+
+    # transformers holds the config by a weak reference: keep it alive for the test
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_batch_size": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        whole = torch.nn.Parameter(torch.ones(2))
+        whole.ds_status = ZeroParamStatus.AVAILABLE
+        assert isinstance(maybe_gather_lm_head_ctx(whole, None), nullcontext)
+        assert seam.head_rows_scored(labels_kept=3) == 3  # not 8: the head still scores only the labelled positions
+        monkeypatch.setattr(seam, "_COMPACT_HEAD_OK", False)
+        seam.check_compact_lm_head()
+    finally:
+        unset_hf_deepspeed_config()
+        del zero3
 
 
 @pytest.fixture(scope="module", params=TESTED)
@@ -193,6 +270,8 @@ def losses(history: list) -> list:
 @pytest.mark.parametrize("name", [run["name"] for run in RUNS])
 def test_finishes_on_both_ranks_in_sync(engine_run, name):
     engine, out = engine_run
+    if name not in {run["name"] for run in runs_on(engine)}:
+        pytest.skip(f"{name} runs under {engine} the way it runs elsewhere")
     config = CONFIGS[name]
     for rank in range(WORLD):
         r = report(out, name, rank)
@@ -280,15 +359,21 @@ def test_masks_are_per_rank_and_reproducible(engine_run, name):
             assert any(not same(e, redraw(e | {"micro": d["micro"]}, config, rank)) for d, e in pairs)
 
 
+
+
 @pytest.mark.slow
 def test_merged_step_equals_unmerged_and_reduces_once_per_step(engine_run):
-    """Under DDP each step's two micro-batches run in one pass (elsewhere one each: the fallback) with the masks drawn
-    unmerged, DDP all-reduces as often as unmerged (once per step: the unmerged run's first micro-step is under
-    `no_sync`), and the losses and weights are the unmerged run's, to round-off."""
+    """Under DDP and DeepSpeed each step's two micro-batches run in one pass (FSDP: one each, the fallback) with the
+    masks drawn unmerged, DDP all-reduces as often as unmerged (once per step: the unmerged run's first micro-step is
+    under `no_sync`), and the losses and weights are the unmerged run's, to round-off. Under DeepSpeed the pass's one
+    backward carries the step's end (accelerate sets `set_gradient_accumulation_boundary` from transformers'
+    per-micro-batch `sync_gradients`): were DeepSpeed counting backwards instead, it would step every other optimizer
+    step and the weights would part."""
     engine, out = engine_run
     for rank in range(WORLD):
         merged, unmerged = report(out, "merged", rank), report(out, "merged-off", rank)
-        assert {d["pass"] for d in merged["draws"]} == ({2} if engine == "ddp" else {1})
+        assert merged["merged_step_said"] == []  # every engine merges
+        assert {d["pass"] for d in merged["draws"]} == {2}
         assert {d["pass"] for d in unmerged["draws"]} == {1}
         strip = [{k: v for k, v in d.items() if k != "pass"} for d in merged["draws"]]
         assert strip == [{k: v for k, v in d.items() if k != "pass"} for d in unmerged["draws"]]
@@ -300,6 +385,101 @@ def test_merged_step_equals_unmerged_and_reduces_once_per_step(engine_run):
     w_merged, w_unmerged = weights(out, "merged", 0), weights(out, "merged-off", 0)
     for key in w_merged:
         torch.testing.assert_close(w_merged[key], w_unmerged[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ragged-peft", "ragged", "ragged-branch"])
+def test_ranks_whose_micro_batches_group_differently_run_the_same_passes(engine_run, name):
+    """Issue 48's hang: under DDP, ranks whose own tokens group a step's 4 micro-batches differently (rank 0 [3, 1],
+    rank 1 [2, 2]) deadlocked at step 1 with the LoRA reference (the policy's forward through DDP broadcast buffers
+    between TRL's per-micro-batch metric gathers at a rank-dependent place). Every rank now runs the same passes (the
+    step's token counts agreed across ranks, merged_step.py) and the reference through the unwrapped policy; the run
+    finishes (under the launch's timeout) with the unmerged run's masks, losses and weights."""
+    engine, out = engine_run
+    if name not in {run["name"] for run in runs_on(engine)}:
+        pytest.skip(f"{name} is not launched under {engine}")
+    steps = [report(out, name, rank)["passes"] for rank in range(WORLD)]
+    assert len(steps[0]) == len(steps[1]) == RAGGED["max_steps"]
+    assert any(s0["own"] != s1["own"] for s0, s1 in zip(*steps)), "the data no longer groups differently per rank"
+    assert [s["ran"] for s in steps[0]] == [s["ran"] for s in steps[1]]
+    assert any(len(s["ran"]) < RAGGED["gradient_accumulation_steps"] for s in steps[0]), "nothing merged"
+    for rank in range(WORLD):
+        merged, unmerged = report(out, name, rank), report(out, f"{name}-off", rank)
+        strip = [{k: v for k, v in d.items() if k != "pass"} for d in merged["draws"]]
+        assert strip == [{k: v for k, v in d.items() if k != "pass"} for d in unmerged["draws"]]
+        assert merged["reductions"] == unmerged["reductions"]
+        for hm, hu in zip(losses(merged["log_history"]), losses(unmerged["log_history"]), strict=True):
+            assert hm["loss"] == pytest.approx(hu["loss"], rel=1e-5), (rank, hm["step"])
+    w_merged, w_unmerged = weights(out, name, 0), weights(out, f"{name}-off", 0)
+    for key in w_merged:
+        torch.testing.assert_close(w_merged[key], w_unmerged[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_the_default_run_falls_back_under_no_engine(engine_run):
+    """The `default` run (PrunedDPOConfig's defaults: gradient accumulation, the default budget, the widest
+    micro-batch's tokens) may merge under DDP, FSDP2 and DeepSpeed ZeRO-2/3 alike, and says nothing: the ranks agree on
+    their passes each step (merged_step.agreed_across_ranks), so no engine falls back (DeepSpeed said a fallback here
+    before). Whether its two micro-batches fit one pass is the budget's business (its near-uniform pairs do not: one
+    pass each); the `merged` and `ragged-*` runs merge."""
+    engine, out = engine_run
+    for rank in range(WORLD):
+        assert report(out, "default", rank)["merged_step_said"] == []
+
+
+def test_accelerate_sets_deepspeeds_step_boundary_at_each_backward():
+    """What DeepSpeed's merged step relies on (merged_step.DEEPSPEED_EXPLICIT_BOUNDARY): accelerate's DeepSpeed
+    wrapper (a private class) tells the engine, before each backward, whether it ends the optimizer step (transformers'
+    per-micro-batch `sync_gradients`), and steps the engine only then; no DeepSpeed needed."""
+    from accelerate.utils.deepspeed import DeepSpeedEngineWrapper
+
+    calls = []
+
+    class Engine:
+        def set_gradient_accumulation_boundary(self, is_boundary):
+            calls.append(("boundary", is_boundary))
+
+        def backward(self, loss, **kwargs):
+            calls.append(("backward", kwargs))
+
+        def step(self):
+            calls.append(("step",))
+
+    wrapper = DeepSpeedEngineWrapper(Engine())
+    wrapper.backward(torch.ones(()), sync_gradients=False, scale_wrt_gas=False)
+    wrapper.backward(torch.ones(()), sync_gradients=True, scale_wrt_gas=False)
+    assert calls == [("boundary", False), ("backward", {"scale_wrt_gas": False}),
+                     ("boundary", True), ("backward", {"scale_wrt_gas": False}), ("step",)]
+
+
+@pytest.mark.parametrize(("accelerate_version", "processes", "budget", "merges"), [
+    ("1.16.0", 2, 10**9, True),
+    ("1.16.0", 2, None, True),  # the default budget: the ranks agree on their passes
+    ("1.16.0", 1, None, True),
+    ("1.7.0", 1, 10**9, False),  # accelerate before the explicit boundary
+    ("1.7.0", 2, None, False),
+])
+def test_deepspeed_merges_where_accelerate_sets_the_step_boundary(monkeypatch, accelerate_version, processes, budget,
+                                                                   merges):
+    """merged_step.why_unmerged under DeepSpeed, without a launch: merged with accelerate >= 1.8 (it sets the step's end
+    at each backward), whatever the budget and processes; otherwise one line naming why."""
+    from types import SimpleNamespace
+
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    from trl_pruned_dpo import PrunedDPOConfig
+    from trl_pruned_dpo.forward_choice import ForwardChoice
+    from trl_pruned_dpo.merged_step import why_unmerged
+
+    monkeypatch.setattr(accelerate, "__version__", accelerate_version)
+    args = PrunedDPOConfig(output_dir="unused", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                           step_token_budget=budget, use_cpu=True, report_to="none")
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=processes,
+                                  parallelism_config=None)
+    why = why_unmerged(args, ForwardChoice(pruned=True, packed=True), accelerator, aux_loss_enabled=False, fsdp=False)
+    assert (why is None) == merges, why
+    if not merges:
+        assert "set_gradient_accumulation_boundary" in why and "counting `engine.step()` calls" in why
 
 
 @pytest.mark.slow
@@ -339,7 +519,7 @@ def test_resume_continues_the_mask_stream(engine_run):
 def test_every_engine_ends_where_ddp_ends(tmp_path_factory, engine):
     """Same data, same masks, sharded or not: every run ends on DDP's weights, up to float round-off."""
     ddp, other = launched("ddp", tmp_path_factory), launched(engine, tmp_path_factory)
-    for run in RUNS:
+    for run in runs_on(engine):
         w_ddp, w_other = weights(ddp, run["name"], 0), weights(other, run["name"], 0)
         assert w_ddp.keys() == w_other.keys()
         for key in w_ddp:

@@ -160,7 +160,7 @@ def test_precomputed_reference_bf16_matches_stock_and_the_live_reference(tokeniz
         plan = plan_micro_step((0, 0), {}, host_batch(batch), masks, Layout(False, False), prunes_branches=False,
                                reference_scored=None if trainer.precompute_ref_logps else masks.scored)
         with torch.no_grad(), trainer.autocast_smart_context_manager():
-            return reference_estimate(trainer.forward_context(), trainer.model, plan.reference, masks, batch)
+            return reference_estimate(trainer.forward_context(), plan.reference, masks, batch)
 
     from_store, from_live = estimate(pre, batch_pre), estimate(live, batch_live)
     for a, b in zip(from_store, from_live):

@@ -372,10 +372,11 @@ def test_plan_has_no_padding_and_packs_left_padded_rows():
 
 
 def test_attention_is_restored_and_delegates_meanwhile(tokenizer, tmp_path):
-    """Between a packed step and the trainer's next stock forward the configs name the packed attention; a forward
-    without packed metadata then is the user's backend's, mask included (left padding here). Evaluation restores."""
+    """Between a packed forward and the end of its backward the configs name the packed attention (checkpointing
+    replays there); a forward without packed metadata then is the user's backend's, mask included (left padding
+    here). After the backward, and after evaluation, they name the user's own."""
     stock, pruned = pair_of_trainers(family("qwen2"), tokenizer, tmp_path, **ONLY["share_prompt"])
-    loss_and_grads(pruned, first_batch(pruned, 8))
+    loss = pruned.compute_loss(pruned.model, first_batch(pruned, 8))
     assert pruned.model.config._attn_implementation == attention.PACKED
     assert pruned.ref_model.config._attn_implementation == attention.PACKED
     user = copy.deepcopy(pruned.model)
@@ -385,6 +386,9 @@ def test_attention_is_restored_and_delegates_meanwhile(tokenizer, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(pruned.model(input_ids=ids, attention_mask=mask).logits,
                                    user(input_ids=ids, attention_mask=mask).logits)
+    loss.backward()
+    assert pruned.model.config._attn_implementation == pruned.ref_model.config._attn_implementation == "sdpa"
+    loss_and_grads(pruned, first_batch(pruned, 8))
     batch = first_batch(pruned, 8)
     pruned.model.eval()
     pruned.compute_loss(pruned.model, batch)  # evaluation: TRL's own path
@@ -420,7 +424,7 @@ def test_a_plan_moves_to_the_device_in_one_copy(tokenizer, tmp_path, monkeypatch
     one copy of one byte buffer, each viewed back with its own dtype and shape."""
     from dataclasses import fields
 
-    from trl_pruned_dpo.pruned_forward import _packed_bytes, _unpacked, plan_on_device
+    from trl_pruned_dpo.pruned_forward import _packed_bytes, _unpacked, to_device
 
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(edge_rows() * 2),
                             tmp_path, per_device_train_batch_size=4, branch_keep_prob=0.5, position_keep_prob=0.5)
@@ -440,6 +444,7 @@ def test_a_plan_moves_to_the_device_in_one_copy(tokenizer, tmp_path, monkeypatch
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", counting)
-    masks, groups = plan_on_device(plan, torch.device("meta"))
+    (masks,), groups = to_device([plan.masks], [plan.policy.grad, plan.policy.frozen, plan.reference],
+                                 torch.device("meta"))
     assert len(copies) == 1 and masks.weights.device.type == "meta" and masks.weights.dtype == torch.float32
     assert all(g.shift_labels.device.type == "meta" for g in groups if g is not None)

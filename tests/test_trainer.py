@@ -22,17 +22,18 @@ def train(trainer):
 
 
 def recorded_masks(trainer):
-    """Every micro-step's masks, keyed by (global step, micro-step), from its record (what `concatenated_forward`
-    returns)."""
+    """Every micro-step's masks, keyed by (global step, micro-step), from its record (what `merged_forward` returns
+    for each micro-batch of a pass; `concatenated_forward` is a pass of one)."""
     record = {}
-    original = trainer.concatenated_forward
+    original = trainer.merged_forward
 
-    def forward(model, inputs):
-        done = original(model, inputs)
-        record[done.step] = (done.masks.scored.clone(), done.masks.backprop.clone())
-        return done
+    def forward(model, batches):
+        records = original(model, batches)
+        for done in records:
+            record[done.step] = (done.masks.scored.clone(), done.masks.backprop.clone())
+        return records
 
-    trainer.concatenated_forward = forward
+    trainer.merged_forward = forward
     return record
 
 

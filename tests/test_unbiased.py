@@ -137,3 +137,26 @@ def test_negative_control_catches_a_missing_branch_scale(make, monkeypatch):
     trainer, batch = make(branch_keep_prob=0.5)
     monkeypatch.setattr(pruned_forward_module, "scale_branch_gradient", lambda values, scale: values)
     assert gradient_z(trainer, batch, GRADIENT_DRAWS) > 5.0  # the same check fails
+
+
+def merged_gradient(trainer, batches):
+    """The gradient of one merged pass (merged_step.py) over `batches`: each micro-batch planned (its own masks) and
+    its TRL loss made as unmerged, all run in one grad and one frozen forward (pruned_forward.run_pass)."""
+    trainer.model.zero_grad(set_to_none=True)
+    records = trainer.merged_forward(trainer.model, batches)
+    torch.stack([trainer._micro_step_loss(r, b) for r, b in zip(records, batches)]).sum().backward()
+    return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+
+def test_merged_branch_gradient_is_unbiased(make):
+    """Branch pruning in a merged pass: two micro-batches' grad rows in one forward, their frozen rows in one no-grad
+    forward reading each micro-batch's kept prompt keys from it (plan.concat_groups); the mean gradient is the exact
+    one's."""
+    trainer, _ = make(branch_keep_prob=0.5, **PACKED)
+    batches = [trainer._prepare_inputs(b) for b, _ in zip(trainer.get_train_dataloader(), range(2))]
+    with unpruned(trainer):
+        exact = merged_gradient(trainer, batches)
+    samples = torch.stack([merged_gradient(trainer, batches) for _ in range(GRADIENT_DRAWS // 2)])
+    assert trainer.last_micro_step.prunes_branches
+    top = exact.abs().topk(300).indices
+    assert max_z(samples[:, top], exact[top]) < 5.0  # 300 coordinates

@@ -59,6 +59,18 @@ def preference_rows(n: int = 8, seed: int = 0):
     return rows
 
 
+def ragged_rows(n: int = 8, seed: int = 0) -> list[dict]:
+    """Prompts of ragged length with short answers: stock pads every row to the longest, the packed layout runs each
+    prompt once per pair, so several micro-batches fit in stock's padded tokens of one (the default budget)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        a, b = (int(x) for x in torch.randint(1, 999, (2,), generator=g))
+        context = "abc " * int(torch.randint(1, 12, (1,), generator=g))
+        rows.append({"prompt": f"{context}Q{i}: {a}+{b}? ", "chosen": f"{a + b}", "rejected": f"{a + b + 1 + i % 3}"})
+    return rows
+
+
 # Quiet, short, fp32 training: the fields every test run shares (tests/distributed/run_pruned.py too).
 QUIET_TRAINING = dict(
     max_steps=2,

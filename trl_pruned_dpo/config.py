@@ -125,8 +125,8 @@ class PrunedDPOConfig(DPOConfig):
             a pass of at most that many tokens keeps the peak at or below stock's. A micro-batch counts the tokens its
             packed forward runs with nothing pruned (pruning only removes tokens). Raise it to merge more (a large
             value: the whole step in one pass); `0`: off (one pass per micro-batch). Falls back, saying why once, where
-            merging is not exact or not supported (the padded layout, branch pruning, "auto", DeepSpeed, FSDP,
-            docs/method.md, "Merged steps").
+            merging is not exact or not supported (the padded layout, "auto", NEFTune, a subclass overriding
+            `compute_loss`, FSDP1, DeepSpeed with accelerate < 1.8: docs/method.md, "Merged steps").
         prune_seed (`int`, *optional*):
             Seed of the mask generator (an integer). Defaults to `seed`. Masks are a function of (prune_seed, global step,
             micro-step, process rank) only; they never draw from the global RNG.

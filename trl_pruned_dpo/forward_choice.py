@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 
 # Batch keys the packed forward knows how to pack; any other per-token input makes it run padded.
 SHAREABLE_KEYS = {"input_ids", "attention_mask"} | NON_MODEL_KEYS
+# Why `torch_compile` runs without the packed forward. Measured on CPU (backend "eager", tiny Llama, 8 steps): TRL's
+# fused forward, which inlines the packed attention's per-segment split (a guard on each layout's segment lengths),
+# hit torch's recompile limit and the run took 2.6x stock's CPU time; padded rows recompiled 31 times in 8 steps and
+# the same 31 in 20 (sizes marked dynamic), no frame at the limit. Inductor on a GPU: not measured.
+COMPILED_PACKED = ("torch_compile recompiles the packed forward for every new packed layout (its segment lengths are "
+                   "Python ints that change with every batch) until torch's recompile limit stops compiling it; set "
+                   "torch_compile=False to keep them")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,18 @@ class ForwardChoice:
     why: str | None = None
     models: tuple = dataclasses.field(default=(), repr=False)
     unproven: tuple = dataclasses.field(default=(), repr=False)
+
+    @property
+    def kernel(self) -> str | None:
+        """The attention kernel the packed rows run, named at the first packed forward (`attention.kernel_of`):
+        "torch varlen_attn", "flash_attn varlen" or "SDPA per segment" ("a + b" where a model's layers differ;
+        "policy: a; reference: b" where the models differ). None before the first packed forward, or not packed."""
+        names = [attention.kernel_of(model) for model in self.models] if self.packed else []
+        if not any(names):
+            return None
+        if len(set(names)) == 1:
+            return names[0]
+        return "; ".join(f"{role}: {name}" for role, name in zip(("policy", "reference"), names) if name)
 
     def layout(self, inputs: dict) -> Layout:
         """How this batch runs: a batch with per-token inputs other than token ids runs padded."""
@@ -97,6 +116,8 @@ def after_trl(choice: ForwardChoice, args: "PrunedDPOConfig", models: list[torch
                          "the common prefix's rows and positions do not run; turn one of them off.")
     if not any(getattr(args, name, False) for name in EXACT_SAVINGS):
         return choice
+    if args.torch_compile:
+        return _without_savings(args, COMPILED_PACKED)
     models = [m.get_base_model() if is_peft_model(m) else m for m in models]
     verdicts = [attention.packed_verdict(model) for model in models]
     reason = next((v for v in verdicts if v not in (None, attention.CHECK)), None)

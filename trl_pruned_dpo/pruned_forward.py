@@ -1,13 +1,12 @@
-"""The device side of a micro-step: its plan (method/plan.py) run through the models, and the estimates made.
+"""The device side of a pass: micro-steps' plans (method/plan.py) run through the models, and the estimates made.
 
-`run_micro_step` takes a `ForwardContext` (what it needs of the trainer, built once) and a `MicroStepPlan` (built on
-the host from token ids) and returns a `MicroStepRecord`: the policy's per-token terms, inverse-probability weighted so
-that their row sums are unbiased for the full sums (Eqs. 1-2, with the straight-through branch scaling of Eq. 3 on the
-log-probs), the reference's per-branch sums under the same masks, the backpropagated rows' MoE router loss and the
-plan's counts. The backpropagated forward runs first, then every no-grad forward (frozen branches, reference) in one
-block, so gradient checkpointing is toggled at most once per micro-step. `run_pass` runs several micro-steps of one
-optimizer step (each its own plan) in one policy forward and one reference forward, and returns one record each (the
-merged step, docs/method.md). No decisions and no host-device syncs here:
+`run_pass` takes a `ForwardContext` (what it needs of the trainer, built once) and the `MicroStepPlan`s of a pass
+(built on the host from token ids: one micro-step unmerged, several in a merged step) and returns one
+`MicroStepRecord` each: the policy's per-token terms, inverse-probability weighted so that their row sums are unbiased
+for the full sums (Eqs. 1-2, with the straight-through branch scaling of Eq. 3 on the log-probs), the reference's
+per-branch sums under the same masks, the backpropagated rows' MoE router loss and the plan's counts. The
+backpropagated forward runs first, then every no-grad forward (frozen branches, reference) in one block, so gradient
+checkpointing is toggled at most once per pass. No decisions and no host-device syncs here:
 a packed group runs as one row whose metadata is a model kwarg of the packed attention (seam/attention.py); a padded
 group runs the batch's own rows under the model's own attention.
 """
@@ -23,7 +22,7 @@ from .method.masks import PruneMasks
 from .method.plan import Layout, MicroStepPlan, PackedGroup, WorkCounts, concat_groups, split_grid
 from .reference import NON_MODEL_KEYS, REF_TOKEN_KEY
 from .seam import compact_lm_head, no_grad_block, reference_context
-from .seam.attention import PACKING_KWARG, Packing, SharedKeys, packed_forward
+from .seam.attention import PACKING_KWARG, Packing, SharedKeys, keep_until_backward, packed_forward
 
 # TRL's per-token outputs the loss and its metrics read; `log_sum_sq_probs` only with `use_weighting`.
 FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
@@ -33,7 +32,8 @@ FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
 class ForwardContext:
     """What a micro-step's forward needs of the trainer, built once per trainer (again if TRL re-wraps the policy).
 
-    `policy`: the model whose gradient checkpointing is toggled and whose adapter is disabled for a PEFT reference;
+    `policy`: the trainer's model (TRL's `self.model`: outside a DDP wrapper, whatever wraps it for the backward),
+    whose gradient checkpointing is toggled and which runs a PEFT reference with its adapter disabled;
     `unwrapped_policy`: the same without its engine wrapper; `reference`: TRL's reference model (None: the policy
     without its adapter, or a precomputed reference); `reference_sums(per_token, batch)`: TRL's own per-branch sums
     (`compute_ref_log_probs`, with `ld_alpha`)."""
@@ -121,12 +121,6 @@ def to_device(masks: list[PruneMasks], groups: list[PackedGroup | None],
     return on_device_masks, [on_device[id(g)] if g is not None else None for g in groups]
 
 
-def plan_on_device(plan: MicroStepPlan, device: torch.device) -> tuple[PruneMasks, list[PackedGroup | None]]:
-    """A micro-step's masks and groups (grad, frozen, reference; None where absent) on `device` in one copy."""
-    masks, groups = to_device([plan.masks], [plan.policy.grad, plan.policy.frozen, plan.reference], device)
-    return masks[0], groups
-
-
 def _padded_inputs(inputs: dict, group: PackedGroup, device: torch.device) -> dict:
     """The group's rows of every per-row or per-token model input of the batch, trimmed to its width."""
     index = group.rows.to(device, non_blocking=True)
@@ -160,6 +154,8 @@ def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...
                 outputs = model(input_ids=group.input_ids.to(**to), position_ids=group.position_ids.to(**to),
                                 shift_labels=group.shift_labels.to(**to), use_cache=False, fused_lm_head=True,
                                 **{PACKING_KWARG: packing}, **model_kwargs)
+                # The configs name the packed attention until this forward's backward (checkpointing replays there).
+                keep_until_backward(outputs.values())
         finally:  # kept once per forward (checkpointing's replay keeps nothing), freed once read
             if keeps is not None:
                 keeps.close()
@@ -169,17 +165,25 @@ def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...
         outputs = model(**_padded_inputs(inputs, group, device), shift_labels=group.shift_labels.to(**to),
                         use_cache=False, fused_lm_head=True, **model_kwargs)
     source = group.source.to(**to)
-    hit = source >= 0
-    per_token = {}
+    routes, per_token = {}, {}
     for name in wanted:
         flat = getattr(outputs, name).reshape(-1)
-        per_token[name] = torch.where(hit, flat[source.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=device))
+        # Under `device_map` the head may sit on another device than the inputs: gather there, hand back here.
+        if flat.device not in routes:
+            at = source.to(flat.device)
+            routes[flat.device] = (at >= 0, at.clamp(min=0))
+        hit, index = routes[flat.device]
+        picked = torch.where(hit, flat[index], torch.zeros((), dtype=flat.dtype, device=flat.device))
+        per_token[name] = picked.to(device, non_blocking=True)
     return per_token, outputs
 
 
-def _reference_model(context: ForwardContext, model: torch.nn.Module) -> torch.nn.Module:
-    """The model the reference runs through: TRL's reference model, else the policy (its adapter disabled)."""
-    return context.reference if context.reference is not None else model
+def _reference_model(context: ForwardContext) -> torch.nn.Module:
+    """The model the reference runs through: TRL's reference model, else the policy (its adapter disabled) as TRL runs
+    it, the trainer's model outside DDP's wrapper. A no-grad forward through DDP all-reduces nothing, but it broadcasts
+    the module buffers after a synced backward: a collective that ranks running different passes would meet in
+    different places (issue 48's hang). Outside it, DDP sees the same grad forwards and backwards as before."""
+    return context.reference if context.reference is not None else context.policy
 
 
 def _wanted(context: ForwardContext) -> tuple[str, ...]:
@@ -197,8 +201,7 @@ def reference_log_probs(context: ForwardContext, model: torch.nn.Module, group: 
     return outputs["log_probs"].float()
 
 
-def reference_estimate(context: ForwardContext, model: torch.nn.Module, group: PackedGroup | None,
-                       masks: PruneMasks, inputs: dict,
+def reference_estimate(context: ForwardContext, group: PackedGroup | None, masks: PruneMasks, inputs: dict,
                        per_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) sums under the policy's masks (`prune_reference`), or exact sums over every
     kept position: its per-token log-probs run now as `group` plans them (live), already run by a merged pass
@@ -206,7 +209,7 @@ def reference_estimate(context: ForwardContext, model: torch.nn.Module, group: P
     Called in the micro-step's no-grad block: TRL's summing toggles gradient checkpointing otherwise."""
     weights = masks.weights if context.prune_reference else masks.exact.float()
     if per_token is None and not context.precomputed_reference:
-        per_token = reference_log_probs(context, _reference_model(context, model), group, inputs)
+        per_token = reference_log_probs(context, _reference_model(context), group, inputs)
     elif per_token is None and (context.prune_reference or context.prune_common_prefix):
         per_token = inputs[REF_TOKEN_KEY].to(weights.device)
     elif per_token is None:
@@ -234,53 +237,53 @@ def _record(plan: MicroStepPlan, masks: PruneMasks, per_token: dict[str, torch.T
                            per_token, reference, masks, aux_loss)
 
 
-def run_micro_step(context: ForwardContext, model: torch.nn.Module, inputs: dict,
-                   plan: MicroStepPlan) -> MicroStepRecord:
-    """The pruned forward of the [chosen; rejected] batch `inputs` as `plan` lays it out (module docstring)."""
-    wanted = _wanted(context)
-    # The plan's host tensors on the device in one copy.
-    masks, (grad, frozen_group, reference_group) = plan_on_device(plan, inputs["input_ids"].device)
-    # MoE (padded only): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md).
-    router = {"output_router_logits": True} if context.aux_loss_enabled else {}
-    # The frozen rows read their shared part's keys and values from the grad forward (plan.plan_split).
-    shared = SharedKeys()
-    with compact_lm_head():
-        per_token, outputs = run_group(model, grad, wanted, inputs, shared, **router)
-        aux_loss = outputs.aux_loss * (1.0 if grad.scored else 0.0) if router else None
-        with no_grad_block(context.policy, context.checkpointing_kwargs):
-            frozen = run_group(model, frozen_group, wanted, inputs, shared)[0] if plan.prunes_branches else None
-            reference = reference_estimate(context, model, reference_group, masks, inputs)
-    return _record(plan, masks, per_token, frozen, reference, aux_loss)
-
-
 def run_pass(context: ForwardContext, model: torch.nn.Module, batches: list[dict],
              plans: list[MicroStepPlan]) -> list[MicroStepRecord]:
-    """Several micro-steps of one optimizer step in one packed policy forward and one reference forward (the merged
-    step, docs/method.md): their groups laid end to end (`concat_groups`), each micro-step's grid cut back out of the
-    outputs (`split_grid`), then its reference estimate and its policy estimates made as `run_micro_step` makes them.
-    Each micro-step keeps its own plan (its masks drawn as unmerged) and its own record, so its loss is TRL's over its
-    own batch. Packed plans without a frozen forward or a router loss only (the trainer runs the others alone)."""
-    if context.aux_loss_enabled or any(plan.prunes_branches or not plan.layout.packed for plan in plans):
-        raise ValueError("run_pass merges packed micro-steps without branch pruning or a router loss only.")
+    """The pruned forward of a pass: one micro-step (unmerged) or several of one optimizer step (the merged step,
+    docs/method.md), each with its own plan, run as ONE policy forward with grad (plus, pruning branches, one no-grad
+    forward of the frozen rows, which read their shared part's keys and values from it: plan.plan_split) and one
+    reference forward. Several micro-steps' groups are laid end to end (`concat_groups`) and each grid cut back out
+    (`split_grid`); then each micro-step's reference estimate and policy estimates (Eqs. 1-3) are made under its own
+    masks, so its record, and TRL's loss over its own batch, are what it would be alone. A padded micro-step or one
+    with a MoE router loss runs alone (the trainer never merges them); a pass's micro-steps all prune branches or
+    none (structural: the same on every micro-step of a run that merges)."""
+    alone_only = context.aux_loss_enabled or any(not plan.layout.packed for plan in plans)
+    if len(plans) > 1 and (alone_only or len({plan.prunes_branches for plan in plans}) > 1):
+        raise ValueError("run_pass merges packed micro-steps without a router loss, all pruning branches or none.")
     wanted = _wanted(context)
-    device = batches[-1]["input_ids"].device
-    shapes = [tuple(plan.policy.grad.source.shape) for plan in plans]
+    inputs = batches[-1]  # a padded group takes its rows from it (alone only)
     live = not context.precomputed_reference
-    # Every micro-step's masks and the pass's two groups on the device in one copy.
-    groups = [concat_groups([plan.policy.grad for plan in plans]),
-              concat_groups([plan.reference for plan in plans]) if live else None]
-    masks, (grad, reference_group) = to_device([plan.masks for plan in plans], groups, device)
+    branches = plans[0].prunes_branches
+
+    def joined(groups: list[PackedGroup]) -> PackedGroup:
+        return groups[0] if len(groups) == 1 else concat_groups(groups)
+
+    # Every micro-step's masks and the pass's groups on the device in one copy.
+    groups = [joined([plan.policy.grad for plan in plans]),
+              joined([plan.policy.frozen for plan in plans]) if branches else None,
+              joined([plan.reference for plan in plans]) if live else None]
+    masks, (grad, frozen_group, reference_group) = to_device([plan.masks for plan in plans], groups,
+                                                             inputs["input_ids"].device)
+    # MoE (padded, alone): the router aux loss is the grad rows' own, over their executed columns (docs/parity.md).
+    router = {"output_router_logits": True} if context.aux_loss_enabled else {}
+    shared = SharedKeys()
     with compact_lm_head():
-        merged, _ = run_group(model, grad, wanted, batches[-1])
-        # The reference of every micro-step in one no-grad block: checkpointing toggled once per pass.
+        policy, outputs = run_group(model, grad, wanted, inputs, shared, **router)
+        aux_loss = outputs.aux_loss * (1.0 if grad.scored else 0.0) if router else None
+        # The frozen rows and every micro-step's reference in one no-grad block: checkpointing toggled once per pass.
         with no_grad_block(context.policy, context.checkpointing_kwargs):
+            # No grad: outside DDP's wrapper (a forward through it may broadcast buffers: `_reference_model`).
+            frozen = run_group(context.policy, frozen_group, wanted, inputs, shared)[0] if branches else None
             stored = [None] * len(plans)
             if live:
-                per_token = reference_log_probs(context, _reference_model(context, model), reference_group,
-                                                batches[-1])
+                per_token = reference_log_probs(context, _reference_model(context), reference_group, inputs)
                 stored = split_grid(per_token, [tuple(plan.reference.source.shape) for plan in plans])
-            references = [reference_estimate(context, model, plan.reference, mask, batch, per_token)
+            references = [reference_estimate(context, plan.reference, mask, batch, per_token)
                           for plan, mask, batch, per_token in zip(plans, masks, batches, stored)]
-    grids = {name: split_grid(merged[name], shapes) for name in wanted}
-    return [_record(plan, mask, {name: grids[name][i] for name in wanted}, None, reference, None)
+    policy = {name: split_grid(policy[name], [tuple(p.policy.grad.source.shape) for p in plans]) for name in wanted}
+    if branches:
+        frozen = {name: split_grid(frozen[name], [tuple(p.policy.frozen.source.shape) for p in plans])
+                  for name in wanted}
+    return [_record(plan, mask, {name: policy[name][i] for name in wanted},
+                    {name: frozen[name][i] for name in wanted} if branches else None, reference, aux_loss)
             for i, (plan, mask, reference) in enumerate(zip(plans, masks, references))]

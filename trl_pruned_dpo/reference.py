@@ -1,11 +1,14 @@
 """The batch as the pruned forward needs it: a host copy of the token layout, and per-token reference log-probs.
 
-- `HostCopyCollator` attaches a CPU copy of the token layout (plan.HostBatch), so the plan never reads device tensors.
+- `HostCopyCollator` attaches a CPU copy of the token layout (plan.HostBatch), so the plan never reads device tensors:
+  also for an `IterableDataset`, unless its batches are dispatched from process 0 (`batches_dispatched`), which carries
+  device tensors only; then `host_batch` copies the layout once per micro-step, said once.
 - With `precompute_ref_log_probs=True` the masks need per-token reference log-probs, where TRL stores only their sums:
   `precompute_per_token` stores both, and `PerTokenReferenceCollator` pads the stored values onto each batch's
   response positions.
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,11 +42,13 @@ class HostCopyCollator:
 
 
 def host_batch(inputs: dict) -> HostBatch:
-    """The batch's token layout on the host: the collator's copy, else one copy now (precompute, custom loops).
-    Called once per micro-step (the plan holds it)."""
+    """The batch's token layout on the host: the collator's copy, else one copy now (dispatched batches, precompute,
+    custom loops), the three tensors in one device->host transfer. Called once per micro-step (the plan holds it)."""
     host = inputs.get(HOST_KEY)
     if host is None:
-        host = HostBatch(*(inputs[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask")))
+        layout = [inputs[k] for k in ("input_ids", "attention_mask", "completion_mask")]
+        copied = torch.stack([t.long() for t in layout]).cpu()
+        host = HostBatch(*(part.to(t.dtype) for part, t in zip(copied, layout)))
     return host
 
 
@@ -72,15 +77,30 @@ class PerTokenReferenceCollator:
         return batch
 
 
+def batches_dispatched(args: Any, train_dataset: Any) -> bool:
+    """Whether accelerate dispatches the training batches from process 0: an iterable dataset across processes, unless
+    `accelerator_config.dispatch_batches=False` (accelerate's `prepare_data_loader`: None means dispatch an
+    `IterableDataset`). Process 0 collates every process's rows and broadcasts them as device tensors, so a host copy
+    cannot travel with them. In one process the dispatcher passes the collated batch through unchanged."""
+    iterable = isinstance(train_dataset, (IterableDataset, torch.utils.data.IterableDataset))
+    return iterable and args.world_size > 1 and args.accelerator_config.dispatch_batches is not False
+
+
 def pruned_collator(collator: Any, args: Any, train_dataset: Any) -> Any:
     """TRL's collator, wrapped for the pruned forward: stored per-token reference values (with a precomputed
-    reference), and the host copy of the token layout (not for an iterable dataset, whose batches may be dispatched
-    across processes, which carries tensors only)."""
+    reference), and the host copy of the token layout, but where batches are dispatched from process 0
+    (`batches_dispatched`): there each micro-step copies it from the device, said here once."""
     if args.precompute_ref_log_probs:
         collator = PerTokenReferenceCollator(collator)
-    if not isinstance(train_dataset, (IterableDataset, torch.utils.data.IterableDataset)):
-        collator = HostCopyCollator(collator)
-    return collator
+    if batches_dispatched(args, train_dataset):
+        warnings.warn(
+            "The IterableDataset's batches are dispatched from process 0 as device tensors (accelerate's default "
+            "across processes), so each micro-step copies its token layout to the host to plan it (one device read). "
+            "Set accelerator_config={'dispatch_batches': False} to collate on each process (each then reads its "
+            "own shard or slice of the data) and read nothing.",
+            stacklevel=3)
+        return collator
+    return HostCopyCollator(collator)
 
 
 def precompute_per_token(accelerator: Any, args: Any, collator: Any, model: torch.nn.Module, dataset: Dataset,

@@ -3,10 +3,11 @@
 How it departs from stock TRL 1.16 (whose `_compute_loss` does one policy forward of the stacked batch, one reference
 forward, then the loss and metrics), in the order of docs/method.md:
 
-- `concatenated_forward` plans the micro-step on the host from its token ids, once (`plan_micro_step`: the masks of
-  method/masks.py with "auto"'s probabilities from auto.py, in the layout `forward_choice` decided), and runs the plan
-  (pruned_forward.run_micro_step, with the `ForwardContext` built once per trainer). It returns the micro-step's typed
-  record: inverse-probability-weighted per-token terms for the policy, the reference's sums under the same masks.
+- `merged_forward` (and `concatenated_forward`, a pass of one batch) plans each micro-step on the host from its token
+  ids, once (`plan_micro_step`: the masks of method/masks.py with "auto"'s probabilities from auto.py, in the layout
+  `forward_choice` decided), and runs the pass (pruned_forward.run_pass, with the `ForwardContext` built once per
+  trainer). It returns each micro-step's typed record: inverse-probability-weighted per-token terms for the policy,
+  the reference's sums under the same masks.
 - `compute_loss` hands that record to TRL's own `_compute_loss` through a replay "model" (seam.Replay), so every TRL
   loss, `ld_alpha`, `use_weighting` and every TRL metric run unchanged on unbiased estimates of what they consume;
   metrics.py then renames what no longer estimates stock's value, and auto.py gets the record's work counts.
@@ -35,7 +36,7 @@ from .forward_choice import ForwardChoice
 from .method.masks import PruneMasks, draw_masks, mask_generator
 from .method.plan import HostBatch, Layout, MicroStepPlan, plan_micro_step, plan_reference
 from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
-from .pruned_forward import ForwardContext, MicroStepRecord, reference_log_probs, run_micro_step, run_pass
+from .pruned_forward import ForwardContext, MicroStepRecord, reference_log_probs, run_pass
 from .reference import HOST_KEY, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator
 from .safety import checkpoints, guards
 from .safety.data_checks import check_training_pairs
@@ -87,6 +88,9 @@ class PrunedDPOTrainer(DPOTrainer):
     _tag_names = ["trl", "dpo", "trl-pruned-dpo"]
     # The plugin's forward with everything off: the benchmarks' `none` row. Not for training (off is TRL's own path).
     always_pruned_forward = False
+    # A subclass overriding `compute_loss`, `concatenated_forward` or `training_step` trains unmerged (a merged pass
+    # calls them once per pass: merged_step.PER_MICRO_BATCH), unless it sets this, its overrides right once per pass.
+    merge_safe_overrides = False
 
     def __init__(self, model: torch.nn.Module | str, ref_model: torch.nn.Module | str | None = None,
                  args: PrunedDPOConfig | None = None, *pargs: Any, **kwargs: Any):
@@ -127,7 +131,8 @@ class PrunedDPOTrainer(DPOTrainer):
             self.add_callback(self._auto)
         # Whether a step's micro-batches can merge, from what is known once TRL is built (merged_step.py).
         self._merger = merged_step.StepMerger(merged_step.why_unmerged(
-            args, self._forward_choice, self.accelerator, self.aux_loss_enabled, self.is_fsdp_enabled))
+            args, self._forward_choice, self.accelerator, self.aux_loss_enabled, self.is_fsdp_enabled,
+            merged_step.bypassed_overrides(type(self), PrunedDPOTrainer)))
         # Whether this run can drop a branch at all ("auto" on adapter training never does).
         self._drops_branches = (self._auto is not None and "branch" in self._auto.families) or (
             args.branch_keep_prob != AUTO and args.branch_keep_prob < 1)
@@ -173,7 +178,7 @@ class PrunedDPOTrainer(DPOTrainer):
         """transformers' prefetch of an optimizer step's micro-batches, unchanged; grouped into the merged step's
         passes (merged_step.StepMerger)."""
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._merger.group(self.args, self._forward_choice, batches)
+        self._merger.group(self.args, self._forward_choice, batches, self.accelerator)
         return batches, num_items_in_batch
 
     def _set_signature_columns_if_needed(self):
@@ -245,19 +250,16 @@ class PrunedDPOTrainer(DPOTrainer):
                                prunes_branches=prunes_branches, reference_scored=reference_scored, means=draw.means)
 
     def concatenated_forward(self, model: torch.nn.Module, inputs: dict) -> MicroStepRecord:
-        """The pruned forward of the [chosen; rejected] batch: planned on the host (`plan`), run on the device
-        (pruned_forward.run_micro_step). Its record holds the policy's per-token outputs as inverse-probability-weighted
-        terms whose row sums are unbiased for the full sums (Eqs. 1-3), and the reference's per-branch sums (chosen,
-        rejected) under the same masks. Kept as `last_micro_step`, a view for the user: nothing here reads it back."""
-        plan = self.plan(inputs)
-        record = run_micro_step(self.forward_context(), model, inputs, plan)
-        self.last_micro_step = record
-        return record
+        """The pruned forward of the [chosen; rejected] batch: a pass of one (`merged_forward`). Its record holds the
+        policy's per-token outputs as inverse-probability-weighted terms whose row sums are unbiased for the full sums
+        (Eqs. 1-3), and the reference's per-branch sums (chosen, rejected) under the same masks."""
+        return self.merged_forward(model, [inputs])[0]
 
     def merged_forward(self, model: torch.nn.Module, batches: list[dict]) -> list[MicroStepRecord]:
-        """The pruned forward of a merged pass's micro-batches (merged_step.py), in order: each planned as unmerged
-        (its masks keyed by its own micro-step), all run in one policy and one reference forward
-        (pruned_forward.run_pass). One record per micro-batch; the last is kept as `last_micro_step`."""
+        """The pruned forward of a pass's micro-batches, in order (one unmerged; several in a merged step,
+        merged_step.py): each planned on the host (`plan`: its masks keyed by its own micro-step), all run in one
+        policy and one reference forward (pruned_forward.run_pass). One record per micro-batch; the last is kept as
+        `last_micro_step`, a view for the user: nothing here reads it back."""
         plans = [self.plan(batch) for batch in batches]
         records = run_pass(self.forward_context(), model, batches, plans)
         self.last_micro_step = records[-1]
@@ -274,13 +276,14 @@ class PrunedDPOTrainer(DPOTrainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise ValueError("PrunedDPOTrainer does not return model outputs during training (TRL deprecated them).")
-        if self._pass is not None:
-            # A merged pass (merged_step.py): its earlier micro-batches as `training_step` would have prepared them.
-            batches = [self._prepare_inputs(batch) for batch in self._pass[:-1]] + [inputs]
-            records = self.merged_forward(model, batches)
-            # Their sum: transformers scales it by the accumulation steps and backpropagates it once.
-            return torch.stack([self._micro_step_loss(r, b) for r, b in zip(records, batches)]).sum()
-        return self._micro_step_loss(self.concatenated_forward(model, inputs), inputs)
+        # The pass `inputs` ends: alone, or (merged_step.py) after its earlier micro-batches, prepared as
+        # `training_step` would have prepared them. A pass of one runs through the public per-batch hook.
+        earlier = [self._prepare_inputs(batch) for batch in self._pass[:-1]] if self._pass is not None else []
+        batches = earlier + [inputs]
+        records = self.merged_forward(model, batches) if earlier else [self.concatenated_forward(model, inputs)]
+        # TRL's loss per micro-batch; their sum, which transformers scales by the accumulation steps and
+        # backpropagates once.
+        return torch.stack([self._micro_step_loss(r, b) for r, b in zip(records, batches)]).sum()
 
     def _micro_step_loss(self, record: MicroStepRecord, inputs: dict) -> torch.Tensor:
         """TRL's loss of one micro-batch from its record (TRL's metrics logged by TRL), then the plugin's metrics."""
@@ -347,7 +350,7 @@ class PrunedDPOTrainer(DPOTrainer):
             loss = super().training_step(model, inputs, num_items_in_batch)
         finally:
             self._pass = None
-        self.run_state.add_loss(loss)
+        self.run_state.add_loss(loss, self.accelerator.scaler)
         # The backward is done, the gradient not clipped yet.
         if self._auto is not None:
             self._auto.after_backward(self.state.global_step)
@@ -373,5 +376,7 @@ class PrunedDPOTrainer(DPOTrainer):
         # The logging window saved below holds values, not device counts.
         self._pending.flush(train_metrics(self))
         state = {"window": logging_window(self, self._pending.deferred), **self.run_state.state_dict(),
-                 "auto": self._auto.state_dict() if self._auto is not None else None}
+                 "auto": self._auto.state_dict() if self._auto is not None else None,
+                 # The run's record of the attention kernel its packed rows ran (named at the first packed forward).
+                 "attention_kernel": self._forward_choice.kernel}
         checkpoints.save_complete(self, super()._save_checkpoint, model, trial, state, run_output_dir(self, trial))

@@ -11,12 +11,15 @@ trainers: the import and start-up cost is paid once). Each run is a dict:
     reference   "model" (a separate in-memory reference), "peft" (LoRA policy, reference = adapter disabled) or
                 "precompute" (a separate reference, `precompute_ref_log_probs=True`)
     config      overrides of the config fields below (e.g. branch_keep_prob, gradient_accumulation_steps)
-    data        "shared" (default: one dataset, sharded across ranks by the sampler) or "per-rank" (rank 0 holds
-                near-copy pairs only, every other rank dissimilar pairs only: the ranks' batches differ in kind)
+    data        "shared" (default: one dataset, sharded across ranks by the sampler), "per-rank" (rank 0 holds
+                near-copy pairs only, every other rank dissimilar pairs only: the ranks' batches differ in kind) or
+                "ragged" (shared, prompts of ragged length: the ranks' micro-batches group into passes differently)
     resume      optional checkpoint folder, relative to DIR, to resume from
 
 Per run and rank it writes DIR/<name>/rank<r>.json (engine, log history, training loss, every mask draw with the
-batch it was drawn for, the gradient buckets DDP all-reduced) and DIR/<name>/weights_rank<r>.pt (the trainable parameters after training, gathered in full
+batch it was drawn for, the gradient buckets DDP all-reduced, per optimizer step the passes run and those the rank's
+own tokens alone would group, what it said about the merged step) and DIR/<name>/weights_rank<r>.pt (the trainable
+parameters after training, gathered in full
 whatever the sharding), plus DIR/<name>/weights_initial.pt (rank 0, before training). Nothing touches a hub.
 
 RUN_PRUNED_FSDP_ON_CPU=1 lets accelerate's FSDP run on CPU (see `allow_fsdp_on_cpu`). DeepSpeed runs on CPU as is
@@ -28,18 +31,22 @@ import copy
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # the local tokenizer and model builder; the package, uninstalled
-from tiny import QUIET_TRAINING, char_tokenizer, preference_rows, tiny_model  # noqa: E402
+from tiny import QUIET_TRAINING, char_tokenizer, preference_rows, ragged_rows, tiny_model  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer  # noqa: E402
+from trl_pruned_dpo.merged_step import default_budget  # noqa: E402
+from trl_pruned_dpo.method.plan import group_passes, unpruned_tokens  # noqa: E402
+from trl_pruned_dpo.reference import HOST_KEY  # noqa: E402
 
 BASE_CONFIG = dict(QUIET_TRAINING, per_device_train_batch_size=2, seed=0, max_length=64)
 
@@ -92,7 +99,7 @@ def record_draws(trainer) -> list:
     draws = []
     if not hasattr(trainer, "last_micro_step"):
         return draws
-    forward, merged_forward = trainer.concatenated_forward, trainer.merged_forward
+    merged_forward = trainer.merged_forward  # every pass, of one micro-batch (`concatenated_forward`) or several
 
     def record(done, inputs, merged: int) -> None:
         (step, micro), masks, drawn = done.step, done.masks, done.options
@@ -108,20 +115,38 @@ def record_draws(trainer) -> list:
                for key in ("branch_keep_prob", "position_keep_prob")},
         })
 
-    def recording(model, inputs):
-        done = forward(model, inputs)
-        record(done, inputs, 1)
-        return done
-
     def recording_merged(model, batches):
         records = merged_forward(model, batches)
         for done, inputs in zip(records, batches):
             record(done, inputs, len(batches))
         return records
 
-    trainer.concatenated_forward = recording
     trainer.merged_forward = recording_merged
     return draws
+
+
+def record_passes(trainer) -> list:
+    """Wrap the trainer's prefetch of an optimizer step's micro-batches to keep, per step, the pass sizes it runs
+    (`ran`; one per micro-batch where it does not merge) and those this rank's own tokens and default budget alone
+    would give (`own`): ranks whose `own` differ must still run the same `ran` (merged_step.py)."""
+    steps = []
+    if not hasattr(trainer, "last_micro_step"):
+        return steps
+    fetch = trainer.get_batch_samples
+
+    def recording(epoch_iterator, num_batches, device):
+        batches, num_items = fetch(epoch_iterator, num_batches, device)
+        passes = trainer._merger.passes  # the test runner may read the trainer's private state
+        ran = [len(members) for members in passes.passes] if passes is not None else [1] * len(batches)
+        own = None
+        if batches and all(HOST_KEY in batch for batch in batches):
+            tokens = [unpruned_tokens(batch[HOST_KEY], trainer.forward_choice.share_prompt) for batch in batches]
+            own = group_passes(tokens, default_budget(batches))
+        steps.append({"ran": ran, "own": own})
+        return batches, num_items
+
+    trainer.get_batch_samples = recording
+    return steps
 
 
 class CountReductions(TrainerCallback):
@@ -215,9 +240,11 @@ def main():
     dataset = Dataset.from_list(preference_rows(16))
     rank = int(os.environ.get("RANK", "0"))  # set by `accelerate launch`
     per_rank = Dataset.from_list(preference_rows(16) if rank == 0 else dissimilar_rows(16))
+    data = {"shared": dataset, "per-rank": per_rank, "ragged": Dataset.from_list(ragged_rows(16))}
     for run in runs:
-        trainer = build(run, out, tokenizer, per_rank if run.get("data") == "per-rank" else dataset)
+        trainer = build(run, out, tokenizer, data[run.get("data", "shared")])
         draws = record_draws(trainer)
+        passes = record_passes(trainer)
         reductions = CountReductions(trainer)
         trainer.add_callback(reductions)
         folder = out / run["name"]
@@ -228,7 +255,15 @@ def main():
             torch.save({n: p.detach().float().cpu().clone() for n, p in params if p.requires_grad},
                        folder / "weights_initial.pt")
         resume = str(out / run["resume"]) if run.get("resume") else None
-        result = trainer.train(resume_from_checkpoint=resume)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = trainer.train(resume_from_checkpoint=resume)
+        # What the run said about the merged step (merged_step.StepMerger); every other warning shown once
+        merged_step_said = [str(w.message) for w in caught if str(w.message).startswith("Merged step off")]
+        others = {(str(w.message), w.category, w.filename, w.lineno) for w in caught}
+        for message, category, filename, lineno in sorted(others, key=str):
+            if message not in merged_step_said:
+                warnings.showwarning(message, category, filename, lineno)
         weights, local_numel = trainable_parameters(trainer)
         torch.save(weights, folder / f"weights_rank{rank}.pt")
         report = {
@@ -243,6 +278,8 @@ def main():
             "log_history": trainer.state.log_history,
             "draws": draws,
             "reductions": reductions.reductions,
+            "passes": passes,
+            "merged_step_said": merged_step_said,
             # auto (auto.py): what it measured and chose, the same on every rank
             "auto": {"history": trainer.auto_keep_probs.history, "choice": list(trainer.auto_keep_probs.choice)}
             if getattr(trainer, "auto_keep_probs", None) is not None else None,

@@ -87,6 +87,7 @@ def summarize(trainer: Any, model_name: str, model_path: str, wall_seconds: floa
         ("model", model_name if model_name == model_path else f"{model_name} -> {model_path}"),
         ("pruning", pruning_line(args)),
         ("exact savings", savings_line(args, trainer.forward_choice)),
+        *([("attention kernel", trainer.forward_choice.kernel)] if trainer.forward_choice.kernel else []),
         ("steps", f"{state.global_step} ({pairs} pairs), {timing}{wall_seconds:.1f} s in all"),
     ]
     if last.get("loss") is not None:

@@ -303,24 +303,35 @@ def concat_groups(groups: list[PackedGroup]) -> PackedGroup:
     """One packed forward of several micro-batches' packed groups, laid end to end (the merged step): token ids,
     positions and labels concatenated; each segment keeps its own keys, its indices shifted by the tokens (and its key
     offsets by the keys) of the groups before it. `source` stacks the groups' grids, each below the previous one and
-    padded with -1 to the widest, its cells shifted by the tokens before it: `split_grid` cuts each grid back out."""
+    padded with -1 to the widest, its cells shifted by the tokens before it: `split_grid` cuts each grid back out.
+
+    Branch pruning's split groups (`plan_split`) concatenate too, the grad groups and the frozen groups each: the
+    merged grad group keeps every micro-batch's kept tokens in order (`keeps`, shifted by its tokens before), so the
+    merged frozen group reads [every micro-batch's kept keys ; every micro-batch's own tokens], and each frozen index is
+    moved to its micro-batch's place in that order (`reads` is the kept keys of all of them)."""
     if any(group.rows is not None for group in groups):
         raise ValueError("concat_groups takes packed groups only (the padded layout runs each micro-batch alone).")
-    if any(group.keeps is not None or group.reads for group in groups):
-        raise ValueError("concat_groups does not take branch pruning's split groups (they run each micro-batch alone).")
     starts = torch.tensor([0] + [group.tokens for group in groups]).cumsum(0)
     key_starts = torch.tensor([0] + [int(group.cu_seq_k[-1]) for group in groups]).cumsum(0)
+    read_starts = torch.tensor([0] + [group.reads for group in groups]).cumsum(0)
+    reads = int(read_starts[-1])
     cols = max(group.source.size(1) for group in groups)
     sources = [torch.where(g.source >= 0, g.source + start, -1) for g, start in zip(groups, starts.tolist())]
     source = torch.cat([F.pad(s, (0, cols - s.size(1)), value=-1) for s in sources])
     zero = torch.zeros(1, dtype=groups[0].cu_seq_q.dtype)
     cu_q = torch.cat([zero] + [g.cu_seq_q[1:] + start for g, start in zip(groups, starts.tolist())])
     cu_k = torch.cat([zero] + [g.cu_seq_k[1:] + start for g, start in zip(groups, key_starts.tolist())])
-    kv_index = torch.cat([g.kv_index + start for g, start in zip(groups, starts.tolist())])
+    # A frozen index below its group's `reads` is a kept key (now after the earlier groups' kept keys), any other one
+    # of its own tokens (now after every kept key and the earlier groups' tokens).
+    kv_index = torch.cat([
+        torch.where(g.kv_index < g.reads, g.kv_index + kept_before, g.kv_index - g.reads + reads + start)
+        for g, start, kept_before in zip(groups, starts.tolist(), read_starts.tolist())])
+    kept = [g.keeps + start for g, start in zip(groups, starts.tolist()) if g.keeps is not None]
     return PackedGroup(torch.cat([g.shift_labels for g in groups], dim=1), source, int(starts[-1]),
                        sum(g.scored for g in groups), torch.cat([g.input_ids for g in groups], dim=1),
                        torch.cat([g.position_ids for g in groups], dim=1), cu_q, cu_k, kv_index,
-                       max(g.max_q for g in groups), max(g.max_k for g in groups), (cu_q.tolist(), cu_k.tolist()))
+                       max(g.max_q for g in groups), max(g.max_k for g in groups), (cu_q.tolist(), cu_k.tolist()),
+                       keeps=torch.cat(kept) if kept else None, reads=reads)
 
 
 def split_grid(grid: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:

@@ -9,9 +9,17 @@
   the median of the steps before it stops the run only when that field is set: a saturating DPO loss (median ~1e-4)
   meets one ordinary hard batch (~0.7) as a 7000x "explosion". Stock Trainer logs hide a NaN loss
   (`logging_nan_inf_filter` replaces it by the running mean), so the check reads every step's own loss: one fused
-  device->host read per optimizer step (loss, gradient norm, and the stop-signal flag of safety/signals.py), none
-  when the guard is off and no signal handler needs it.
-- The worst values seen (largest loss and gradient norm, non-finite and zero-gradient steps) are kept for the
+  device->host read per optimizer step (loss, gradient norm, the stop-signal flag of safety/signals.py, and the
+  loss scaler's skip), none when the guard is off and no signal handler needs it.
+- fp16 with a loss scaler: a step the scaler skipped is not divergence. Its gradient overflowed at the scale it ran
+  under, the scaler backed the scale off and nothing was updated (normal fp16 training). It stops the run only when
+  its loss is non-finite (the forward overflowed: no loss scale fixes that) or it overflowed at a loss scale of
+  `MIN_LOSS_SCALE` or less (the gradient overflows fp16 unscaled). The skip is seen two ways, either enough:
+  accelerate's `optimizer_step_was_skipped` (a non-fused optimizer, DeepSpeed), and the loss scale after the
+  optimizer step below the one the step ran under (the fused optimizers, transformers' default `adamw_torch_fused`,
+  take the scaler's found-inf flag into their own kernel, so accelerate sees the step called and its flag stays
+  False).
+- The worst values seen (largest loss and gradient norm, non-finite, zero-gradient and skipped steps) are kept for the
   summary, and saved in checkpoints so that a resumed run reports the whole run's.
 """
 
@@ -35,6 +43,11 @@ if TYPE_CHECKING:
 MAX_INVERSE_WEIGHT = 20.0
 # Steps in the running median.
 _HISTORY = 100
+# A skipped step that ran at this loss scale or lower stops the run: its gradient overflows fp16 even unscaled, which no
+# scale fixes, and the scaler would halve the scale towards 0 step after step. DeepSpeed's `min_loss_scale` and
+# Megatron-LM's `--min-loss-scale` default to 1 for the same reason. From GradScaler's initial 2**16 a run gets there
+# after 17 consecutive skips; a healthy run settles after a few, then skips one step in each growth interval.
+MIN_LOSS_SCALE = 1.0
 
 
 def check_not_empty(dataset: Any, args: "PrunedDPOConfig") -> None:
@@ -94,14 +107,25 @@ class DivergenceGuard:
         self.worst_grad_norm: tuple[int, float] | None = None
         self.nonfinite_steps = 0
         self.zero_grad_steps = 0
+        # Steps the fp16 loss scaler skipped (gradient overflow)
+        self.skipped_steps = 0
         self.steps = 0
         self._losses: list[float] = []
         self._grad_norms: list[float] = []
 
-    def observe(self, step: int, loss: float | None, grad_norm: float | None) -> str | None:
-        """Record one optimizer step; return why it diverged, or None if it looks sane."""
+    def observe(self, step: int, loss: float | None, grad_norm: float | None, skipped: bool = False,
+                loss_scale: float | None = None) -> str | None:
+        """Record one optimizer step; return why it diverged, or None if it looks sane.
+
+        `skipped`: the fp16 loss scaler skipped the step (its gradient overflowed at `loss_scale`, the scale the step
+        ran under, where known). Its gradient norm is the overflow's, not the model's, and nothing was updated: it is
+        neither checked nor kept; the step diverged only if its loss is non-finite or `loss_scale` is at most
+        `MIN_LOSS_SCALE`."""
         self.steps += 1
         problem = None
+        if skipped:
+            self.skipped_steps += 1
+            grad_norm = None
         for name, value, history in (("loss", loss, self._losses), ("gradient norm", grad_norm, self._grad_norms)):
             if value is None:
                 continue
@@ -115,6 +139,9 @@ class DivergenceGuard:
                                       f"({median:.3g})")
             history.append(size)
             del history[:-_HISTORY]
+        if skipped and problem is None and loss_scale is not None and loss_scale <= MIN_LOSS_SCALE:
+            problem = (f"the fp16 loss scaler skipped it at loss scale {loss_scale:g}: its gradient overflows fp16 "
+                       f"even unscaled (a scale of {MIN_LOSS_SCALE:g} or less), which no loss scale fixes")
         if problem is not None:
             self.nonfinite_steps += int(any(v is not None and not math.isfinite(v) for v in (loss, grad_norm)))
         if grad_norm == 0:
@@ -145,6 +172,8 @@ class DivergenceGuard:
             parts.append(f"{self.nonfinite_steps} of {self.steps} steps non-finite")
         if self.zero_grad_steps:
             parts.append(f"{self.zero_grad_steps} of {self.steps} steps with zero gradient")
+        if self.skipped_steps:
+            parts.append(f"{self.skipped_steps} of {self.steps} steps skipped by the fp16 loss scaler")
         return ", ".join(parts) or None
 
     @classmethod
@@ -158,7 +187,7 @@ class DivergenceGuard:
     # Saved in each checkpoint (checkpoints.RUN_STATE) so that a resumed run reports the worst of the whole run.
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("worst_loss", "worst_grad_norm", "nonfinite_steps", "zero_grad_steps",
-                                              "steps", "_losses", "_grad_norms")}
+                                              "skipped_steps", "steps", "_losses", "_grad_norms")}
 
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
@@ -171,11 +200,27 @@ def stops_on_divergence(args: "PrunedDPOConfig") -> bool:
     return uses_pruned_forward(args) if value is None else bool(value)
 
 
+def loss_scale(scaler: Any) -> "torch.Tensor | None":
+    """The fp16 loss scale as the device tensor a `torch.amp.GradScaler` keeps (its private `_scale`: `get_scale()`
+    would read it to the host, a sync), or None without an enabled scaler or before its first `scale()`. The scaler
+    updates that tensor in place; the caller copies what it keeps. Pinned by tests/test_gpu_setups_safety.py (a real
+    GradScaler's skip seen through it with the fused optimizer)."""
+    # accelerate's scalers are GradScalers (FSDP's sharded one included); anything else is read as enabled
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: True)():
+        return None
+    return getattr(scaler, "_scale", None)
+
+
 def step_values(accelerator: Any, world: int, loss: "torch.Tensor", grad_norm: "torch.Tensor | float | None",
-                stop_requested: bool) -> tuple[float, float | None, bool]:
-    """This optimizer step's loss (mean over the `world` processes), gradient norm, and whether any process was asked
-    to stop: one fused vector, one all-reduce (through the trainer's `accelerator`) when distributed, one device->host
-    read."""
+                stop_requested: bool, scale_before: "torch.Tensor | None" = None
+                ) -> tuple[float, float | None, bool, bool, float | None]:
+    """This optimizer step's loss (mean over the `world` processes), gradient norm, whether any process was asked to
+    stop, whether the fp16 loss scaler skipped the step, and the loss scale it ran under (`scale_before`, a device copy
+    taken before the optimizer step; None without a scaler): one fused vector, one all-reduce (through the trainer's
+    `accelerator`) when distributed, one device->host read.
+
+    Skipped: accelerate says so (`optimizer_step_was_skipped`), or the scale after the step is below `scale_before`
+    (the scaler backs off only on an overflow; it grows only after a run of good steps)."""
     import torch
 
     device = loss.device
@@ -184,18 +229,24 @@ def step_values(accelerator: Any, world: int, loss: "torch.Tensor", grad_norm: "
     # FSDP2's clip_grad_norm_ returns the (replicated) total norm as a DTensor.
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    values = torch.stack([loss.detach().float().reshape(()), norm.detach().float().reshape(()).to(device),
-                          torch.tensor(float(stop_requested), device=device)])
+    flags = torch.tensor([float(stop_requested), float(accelerator.optimizer_step_was_skipped)], device=device)
+    scale_after = loss_scale(accelerator.scaler)
+    scales = (torch.stack([scale_before.reshape(()), scale_after.reshape(())]).float().to(device)
+              if scale_before is not None and scale_after is not None else torch.full((2,), math.nan, device=device))
+    values = torch.cat([loss.detach().float().reshape(1), norm.detach().float().reshape(1).to(device), flags, scales])
     if world > 1:
         values = accelerator.reduce(values, reduction="sum") / world
-    loss_value, norm_value, stop = values.tolist()
-    return loss_value, (None if grad_norm is None else norm_value), stop > 0
+    loss_value, norm_value, stop, accelerate_skipped, before, after = values.tolist()
+    skipped = accelerate_skipped > 0 or after < before
+    return (loss_value, (None if grad_norm is None else norm_value), stop > 0, skipped,
+            None if math.isnan(before) else before)
 
 
 def check_step(trainer: Any, run_state: Any, loss: "torch.Tensor", grad_norm: "torch.Tensor | float | None",
-               output_dir: str) -> str | None:
+               output_dir: str, scale_before: "torch.Tensor | None" = None) -> str | None:
     """An optimizer step just ended with `loss` (this process's, summed over its micro-steps): when the guard is on,
-    record it in `run_state.divergence_guard`, and when it diverged stop training without checkpointing it (naming
+    record it in `run_state.divergence_guard` (a step the fp16 loss scaler skipped as such: `scale_before` is the loss
+    scale it ran under, a device copy), and when it diverged stop training without checkpointing it (naming
     the last complete checkpoint under `output_dir`); when a stop signal reached any process (safety/signals.py,
     `run_state.stop_request`), stop with a checkpoint. Returns the one-line reason, or None.
 
@@ -208,14 +259,18 @@ def check_step(trainer: Any, run_state: Any, loss: "torch.Tensor", grad_norm: "t
     if not guard_on and (request is None or args.world_size == 1):
         # The signal callback decides alone in a single process.
         return None
-    loss_value, norm, stop = step_values(trainer.accelerator, args.world_size, loss, grad_norm, signalled)
+    loss_value, norm, stop, skipped, scale = step_values(trainer.accelerator, args.world_size, loss, grad_norm,
+                                                         signalled, scale_before)
     # A signal reached some process: all stop here, with a checkpoint of this step.
     if stop:
         control.should_training_stop = control.should_save = True
     if not guard_on:
         return None
     step = trainer.state.global_step
-    problem = run_state.divergence_guard.observe(step, loss_value, norm)
+    # Only an fp16 loss scaler's skip is normal: DeepSpeed's bf16 optimizer also skips a step whose gradient norm is not
+    # finite, with no scale to back off, and there it is divergence.
+    skipped = skipped and bool(args.fp16)
+    problem = run_state.divergence_guard.observe(step, loss_value, norm, skipped=skipped, loss_scale=scale)
     if problem is None:
         return None
     last = checkpoints.last_complete(output_dir)

@@ -27,8 +27,10 @@ class RunState:
     divergence_guard: guards.DivergenceGuard | None = None
     # A caught signal's request to stop (safety/signals.py)
     stop_request: object = None
-    # This optimizer step's loss, summed over its micro-steps (None: no step running), and why the run diverged
+    # This optimizer step's loss, summed over its micro-steps (None: no step running), the fp16 loss scale it runs
+    # under (a device copy; None without a scaler), and why the run diverged
     step_loss: object = None
+    step_scale: object = None
     diverged: str | None = None
     # The resumed checkpoint's logging window, until the first micro-step reopens it
     pending_window: dict | None = None
@@ -38,7 +40,7 @@ class RunState:
         saved with that checkpoint (for auto.py), or None."""
         saved = checkpoints.read_run_state(resume, args.process_index) if resume else None
         self.resumed_from, self.restored_logging_window = resume, False
-        self.step_loss = self.diverged = None
+        self.step_loss = self.step_scale = self.diverged = None
         self.pending_window = (saved.get("window") or {}) if saved is not None else None
         self.divergence_guard = guards.DivergenceGuard.from_run_state(saved, args.divergence_factor)
         return saved
@@ -48,16 +50,21 @@ class RunState:
         window, self.pending_window = self.pending_window, None
         return window
 
-    def add_loss(self, loss: "torch.Tensor") -> None:
-        """A micro-step's loss, summed into the step's (no device read)."""
+    def add_loss(self, loss: "torch.Tensor", scaler: Any = None) -> None:
+        """A micro-step's loss, summed into the step's (no device read). At a step's first, with an fp16 loss scaler
+        (`accelerator.scaler`), a device copy of the scale the step runs under: the guard compares it with the scale
+        after the optimizer step to see a step the scaler skipped (guards.check_step)."""
+        if self.step_loss is None:
+            scale = guards.loss_scale(scaler)
+            self.step_scale = None if scale is None else scale.detach().clone()
         self.step_loss = loss.detach() if self.step_loss is None else self.step_loss + loss.detach()
 
     def end_step(self, trainer: Any, grad_norm: "torch.Tensor | float | None", output_dir: str) -> None:
         """An optimizer step just ended: check it (guards.check_step) before it is logged or saved."""
         if self.step_loss is None:
             return
-        loss, self.step_loss = self.step_loss, None
-        self.diverged = guards.check_step(trainer, self, loss, grad_norm, output_dir) or self.diverged
+        loss, scale, self.step_loss, self.step_scale = self.step_loss, self.step_scale, None, None
+        self.diverged = guards.check_step(trainer, self, loss, grad_norm, output_dir, scale) or self.diverged
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of it: the guard's worst values."""

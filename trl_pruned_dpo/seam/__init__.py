@@ -19,6 +19,9 @@ Each private, and what pins it (a test that fails when the assumption breaks, no
 - `Trainer._maybe_log_save_evaluate(tr_loss, grad_norm, ...)` called positionally: checked at import, and
   tests/test_failures.py::test_guard_reads_the_step_gradient_norm (a NaN gradient norm must stop the run);
 - TRL's `_use_triton` switch of the fused head (`compact_lm_head`): `check_compact_lm_head`, once per process;
+- under DeepSpeed ZeRO-3, TRL's `maybe_gather_lm_head_ctx` gathering nothing for a parameter whose DeepSpeed `ds_status`
+  is `AVAILABLE` (`mark_whole_under_zero3`, so the probe's local model runs there):
+  tests/test_distributed.py::test_lm_head_probe_runs_under_zero3;
 - the fused head calling `trl.trainer.utils._ChunkedLogProbFunction.apply`, and
   `trl.kernels.chunked_logprob._use_triton` telling where it folds in Triton (`compact_lm_head` slices the
   positions elsewhere): tests/test_memory.py counts the rows of every head tile (test_head_tiles_are_bounded,
@@ -275,6 +278,25 @@ class _HeadRows(TorchDispatchMode):
         return out
 
 
+def mark_whole_under_zero3(model: torch.nn.Module) -> None:
+    """Under DeepSpeed ZeRO-3, mark a model built outside any engine as what it is: every parameter whole, here.
+
+    TRL's fused head gathers its weight with `maybe_gather_lm_head_ctx` whenever ZeRO-3 is on (transformers'
+    `is_deepspeed_zero3_enabled`, set by the config), and reads `ds_status` from every parameter it is handed: a
+    plain parameter has none (`AttributeError: 'Parameter' object has no attribute 'ds_status'`). The probe's tiny
+    model is a local one (never partitioned), so its parameters are marked `AVAILABLE`, for which TRL gathers nothing:
+    the probe runs TRL's head code unchanged. Pinned by
+    tests/test_distributed.py::test_lm_head_probe_runs_under_zero3 (the probe's count under a ZeRO-3 config)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for parameter in model.parameters():
+        parameter.ds_status = ZeroParamStatus.AVAILABLE
+
+
 def head_rows_scored(labels_kept: int = 2, length: int = 8, vocab: int = 37) -> int:
     """Rows that reach the fused LM head of a tiny Llama under `compact_lm_head` when `labels_kept` labels are set."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -284,6 +306,7 @@ def head_rows_scored(labels_kept: int = 2, length: int = 8, vocab: int = 37) -> 
     # The init must not move the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         model = LlamaForCausalLM(config)
+    mark_whole_under_zero3(model)
     add_fused_lm_head(model)
     input_ids = torch.arange(1, length + 1).view(1, length)
     labels = torch.full_like(input_ids, -100)
