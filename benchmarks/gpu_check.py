@@ -451,36 +451,39 @@ def profile_steps(runner, device: str, steps: int) -> dict:
 # ------------------------------------------------------------------------------------------------------ rows
 @contextmanager
 def recording_kernels():
-    """Counts, for each packed attention call, the kernel the plugin chose (`seam.attention._kernel`: its name and the
-    query's dtype; `sdpa_per_segment` where it chose none). The counter wraps the chooser for the duration only."""
+    """Counts, for each packed attention call, the kernel the plugin chose (`seam.attention._choose`: the kernel, or
+    None for SDPA per segment, and why; named here with the query's dtype). The counter wraps the chooser for the
+    duration only; a test pins the name."""
     from trl_pruned_dpo.seam import attention
 
     counts: collections.Counter = collections.Counter()
-    choose = getattr(attention, "_kernel", None)
-    if choose is None:  # the chooser renamed (h48-attn's log, `logged_kernel`, is then the record): count nothing
+    choose = getattr(attention, "_choose", None)
+    if choose is None:  # the chooser renamed: `logged_kernel` (the plugin's own name) is then the record
         counts["kernel chooser not found"] = 0
         yield counts
         return
 
     def counting(q, *args, **kwargs):
-        kernel = choose(q, *args, **kwargs)
+        chosen = choose(q, *args, **kwargs)
+        kernel = chosen[0]
         name = kernel.__name__.strip("_") if kernel is not None else "sdpa_per_segment"
         counts[f"{name} {str(q.dtype).replace('torch.', '')}"] += 1
-        return kernel
+        return chosen
 
-    attention._kernel = counting
+    attention._choose = counting
     try:
         yield counts
     finally:
-        attention._kernel = choose
+        attention._choose = choose
 
 
 def logged_kernel(trainer) -> str | None:
-    """The hook for the kernel name the plugin itself logs for its packed forward (branch h48-attn adds one to the
-    trainer's step record as "kernel"); None until then, when the rows' `attention_kernels` (counted by
-    `recording_kernels`) are the record."""
-    stats = getattr(trainer, "last_prune_stats", None) or {}
-    return stats.get("kernel") if isinstance(stats, dict) else None
+    """The attention kernel the plugin names for its packed rows at their first packed forward
+    (`trainer.forward_choice.kernel`: "torch varlen_attn", "flash_attn varlen", "SDPA per segment", ...); None for
+    stock, or before the first packed forward. The rows' `attention_kernels` (counted by `recording_kernels`) stay the
+    independent record."""
+    choice = getattr(trainer, "forward_choice", None)
+    return getattr(choice, "kernel", None)
 
 
 def qlora_shaped(model) -> None:

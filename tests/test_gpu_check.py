@@ -157,3 +157,21 @@ def test_compile_rows_take_the_best_exact_row():
     results = [row("a", "stock", 10, "stock"), row("a", "defaults", 15), row("a", "branch", 40, exact=False),
                row("b", "stock", 10, "stock"), row("b", "exact", 22), row("b", "merge_off", 21)]
     assert gpu_check.best_row(results, cells) == (cells["b"], "exact")
+
+
+def test_the_kernel_counter_sees_every_packed_attention_call(tokenizer, tmp_path):
+    """`recording_kernels` wraps the plugin's kernel chooser (`seam.attention._choose`, a private it pins here): one
+    count per packed attention call, named by kernel and query dtype; the plugin's own name agrees."""
+    from datasets import Dataset
+
+    from tiny import build_trainer, first_batch, preference_rows
+    from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+
+    trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(preference_rows(8)),
+                            tmp_path, per_device_train_batch_size=4)
+    trainer.model.train()
+    with gpu_check.recording_kernels() as counts:
+        trainer.compute_loss(trainer.model, first_batch(trainer)).backward()
+    layers = len(trainer.model.model.layers)
+    assert set(counts) == {"sdpa_per_segment float32"} and counts["sdpa_per_segment float32"] >= 2 * layers
+    assert gpu_check.logged_kernel(trainer) == "SDPA per segment"
