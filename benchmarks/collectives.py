@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.collectives", description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--quick", action="store_true", help="2 pairs x accumulation 2, x0.05 lengths, 1 step")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where collectives.json and table.md go")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per engine before it counts as a hang")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
@@ -271,16 +271,20 @@ def main(argv: list[str] | None = None) -> None:
             else dict(pairs=8, accumulation=4, steps=2, scale=0.25))
     spec["pairs_total"] = spec["pairs"] * spec["accumulation"] * spec["steps"] * 2  # both ranks, no repeats
     rows = []
-    for engine in cli.engines:
-        if engine.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
-            print(f"{engine}: skipped (deepspeed is not installed)")
-            continue
-        out = cli.out / engine
-        out.mkdir(parents=True, exist_ok=True)
-        launch(engine, spec, out, cli.timeout)
-        rows += table(engine, out)
+    # The ranks' reports and final weights (tens of MB per run) stay in a scratch folder; the table and its JSON go
+    # to --out.
+    with tempfile.TemporaryDirectory(prefix="collectives-") as scratch:
+        for engine in cli.engines:
+            if engine.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+                print(f"{engine}: skipped (deepspeed is not installed)")
+                continue
+            out = Path(scratch) / engine
+            out.mkdir(parents=True)
+            launch(engine, spec, out, cli.timeout)
+            rows += table(engine, out)
     cli.out.mkdir(parents=True, exist_ok=True)
     (cli.out / "collectives.json").write_text(json.dumps({"spec": spec, "rows": rows}, indent=1))
+    (cli.out / "table.md").write_text(markdown(rows) + "\n")
     print(markdown(rows))
 
 
