@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "collectives_cpu"
-ENGINES = ("ddp", "fsdp", "zero3")
+ENGINES = ("ddp", "fsdp", "zero3", "zero3-releasing")
 # Each setting is run unmerged and at the default budget; the table's ratios are merged / unmerged.
 SETTINGS = {"exact preset": {"prune_common_prefix": True},
             "branch 0.5": {"prune_common_prefix": True, "branch_keep_prob": 0.5}}
@@ -73,7 +73,8 @@ def count_collectives(counts: dict) -> None:
         def counted(*args, _original=original, _kind=kind, **kwargs):
             entry = counts[_kind, "trainer" if inside_trainer[0] else "engine"]
             entry[0] += 1
-            entry[1] += size(args[0]) if args else 0
+            # The first tensor argument, positional or keyword (DeepSpeed passes `output_tensor=`, `input_tensor=`).
+            entry[1] += size(args[0] if args else next(iter(kwargs.values()), None))
             return _original(*args, **kwargs)
 
         setattr(dist, name, counted)
@@ -186,16 +187,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ZeRO-3 as on a model larger than its live-parameter limits (7B+ at accelerate's defaults of 1e9): every parameter
+# released after its use and gathered again at the next, none kept whole. On the bench model the defaults keep the whole
+# model gathered between uses, so its gathers would not follow the passes (docs/distributed.md).
+ZERO3_RELEASING = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0,
+                                         "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
+                   "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "gradient_clipping": "auto", "train_batch_size": "auto"}
+
+
+def engine_config(engine: str, folder: Path) -> Path:
+    """The accelerate config of `engine`: the shipped one, or for "zero3-releasing" a ZeRO-3 config whose DeepSpeed
+    file releases every parameter after use (`ZERO3_RELEASING`)."""
+    if engine != "zero3-releasing":
+        return ROOT / "configs" / "accelerate" / f"{engine}.yaml"
+    (folder / "ds_config.json").write_text(json.dumps(ZERO3_RELEASING))
+    config = folder / "accelerate.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                      f"  deepspeed_config_file: {folder / 'ds_config.json'}\n  zero3_init_flag: true\n"
+                      "machine_rank: 0\nnum_machines: 1\nnum_processes: 2\nuse_cpu: false\n")
+    return config
+
+
 def launch(engine: str, spec: dict, out: Path, timeout: int) -> None:
-    """Two processes under `accelerate launch` with the shipped config of `engine`, on CPU over gloo (the
-    distributed tests' settings), killed whole after `timeout` seconds (a hang is a failure, said)."""
+    """Two processes under `accelerate launch` with the config of `engine`, on CPU over gloo (the distributed tests'
+    settings), killed whole after `timeout` seconds (a hang is a failure, said)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "ACCELERATE_USE_CPU": "0" if engine.startswith("zero") else "1", "DS_ACCELERATOR": "cpu",
            "CUDA_VISIBLE_DEVICES": "", "RUN_PRUNED_FSDP_ON_CPU": "1" if engine == "fsdp" else "0"}
     (out / "spec.json").write_text(json.dumps(spec))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs" / "accelerate" / f"{engine}.yaml"), "--num_processes", "2", "--mixed_precision",
+               str(engine_config(engine, out)), "--num_processes", "2", "--mixed_precision",
                "no", "--main_process_port", str(free_port()), str(Path(__file__).resolve()), "--worker",
                str(out)]
     try:
@@ -232,7 +255,8 @@ def table(engine: str, out: Path) -> list[dict]:
 
 
 def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else ("1.00x" if not a else "-")
+    """a / b as "0.50x"; "-" where b is 0 (nothing to compare: no such collective, or no bytes seen)."""
+    return f"{a / b:.2f}x" if b else "-"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -259,7 +283,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.collectives", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES[:3]))
     parser.add_argument("--quick", action="store_true", help="2 pairs x accumulation 2, x0.05 lengths, 1 step")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where collectives.json and table.md go")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per engine before it counts as a hang")
