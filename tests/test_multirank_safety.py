@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from trl_pruned_dpo.safety import checkpoints
@@ -38,6 +39,9 @@ def launched(tmp_path_factory):
     try:
         log, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:  # the failure mode under test: a rank waiting for one that died
+        # torch's elastic agent starts each worker in a session of its own: kill them by descent, then the group
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         pytest.fail(f"two-process run hung:\n{log[-6000:]}")
