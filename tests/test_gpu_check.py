@@ -26,6 +26,13 @@ from benchmarks import gpu_check  # noqa: E402
 HIDDEN = ("trl", "datasets", "dill", "multiprocess")  # what the device machine lacks (PITFALLS.md)
 
 
+@pytest.fixture(autouse=True)
+def loud_logging(monkeypatch):
+    """`gpu_check.main` quiets transformers', TRL's and the plugin's loggers for its table (benchmarks/workload.quiet),
+    for the rest of the process: in-process here, that would hide later tests' warnings (test_parity's resume note)."""
+    monkeypatch.setattr(gpu_check, "quiet", lambda: None)
+
+
 def python_without(tmp_path, hidden=HIDDEN):
     """A `python3` that lacks `hidden`, as the device machine does: this environment's site-packages folders seen
     through symlinks with those left out (the first folder's entry wins, as on sys.path), run with -S so that the
