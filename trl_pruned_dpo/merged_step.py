@@ -127,7 +127,8 @@ PER_MICRO_BATCH = ("compute_loss", "concatenated_forward", "training_step")
 
 def bypassed_overrides(cls: type, base: type) -> tuple[str, ...]:
     """The methods of `PER_MICRO_BATCH` that the trainer's class `cls` overrides from `base` (PrunedDPOTrainer); none
-    where the class declares them right once per pass (`merge_safe_overrides = True`)."""
+    where the class declares them right once per pass with the class attribute `merge_safe_overrides = True` (a
+    subclass of PrunedDPOTrainer that leaves it unset trains unmerged)."""
     if getattr(cls, "merge_safe_overrides", False):
         return ()
     return tuple(name for name in PER_MICRO_BATCH if getattr(cls, name) is not getattr(base, name))

@@ -88,9 +88,6 @@ class PrunedDPOTrainer(DPOTrainer):
     _tag_names = ["trl", "dpo", "trl-pruned-dpo"]
     # The plugin's forward with everything off: the benchmarks' `none` row. Not for training (off is TRL's own path).
     always_pruned_forward = False
-    # A subclass overriding `compute_loss`, `concatenated_forward` or `training_step` trains unmerged (a merged pass
-    # calls them once per pass: merged_step.PER_MICRO_BATCH), unless it sets this, its overrides right once per pass.
-    merge_safe_overrides = False
 
     def __init__(self, model: torch.nn.Module | str, ref_model: torch.nn.Module | str | None = None,
                  args: PrunedDPOConfig | None = None, *pargs: Any, **kwargs: Any):
