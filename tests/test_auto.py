@@ -302,7 +302,7 @@ def test_extra_memory_is_at_most_one_gradient(tokenizer, far_dataset, tmp_path, 
     for name in ("auto", "unmeasured"):
         if name == "unmeasured":
             monkeypatch.setattr(auto.AutoKeepProbs, "_hook", lambda self, params: None)  # the engine path's hooks
-            monkeypatch.setattr(auto.AutoKeepProbs, "_read_pair", lambda self, step: None)  # the B / 2B buffer
+            monkeypatch.setattr(auto.AutoKeepProbs, "_read_pair", lambda self, step, scale: None)  # the B / 2B buffer
             monkeypatch.setattr(auto.AutoKeepProbs, "_fold", lambda self: None)  # no statistics: it never decides
         trainer = _train(tokenizer, far_dataset, tmp_path / name, **common)
         peaks[name] = _peak_bytes(trainer)
@@ -569,3 +569,76 @@ def test_adapter_training_never_probes_branches(tokenizer, far_dataset, tmp_path
     trainer.train()
     assert len(record) == 12 and all(all(backprop) for *_, backprop, _ in record)
     assert "position" in [trainer.auto_keep_probs.kind(step) for step in range(12)]  # position is still probed
+
+
+# --- fp16 with a loss scaler -----------------------------------------------------------------------------------------
+def _scaled_auto_run(tokenizer, dataset, tmp_path, init_scale, overflow_steps=(), **case):
+    """An auto run under fp16 autocast with a real `torch.amp.GradScaler` on CPU (accelerate builds one only on a GPU,
+    tests/test_gpu_setups_safety.py), its scale held (no growth); the gradient overflows at `overflow_steps`. Returns
+    the trainer, what each step sent to the estimate (`end_step`'s five reduced scalars, by step) and the steps that
+    added a sample of tr Σ."""
+    trainer = _train(tokenizer, dataset, tmp_path, fp16=True, **case)
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10**6)
+    trainer.accelerator.native_amp = True
+    weight = trainer.model.get_input_embeddings().weight
+    weight.register_hook(lambda grad: grad * math.inf if trainer.state.global_step in overflow_steps else grad)
+    probs, sent, sampled = trainer.auto_keep_probs, {}, set()
+    fold = probs._fold
+
+    def recording():
+        step = probs._pending[0] if probs._pending is not None else None
+        if step is not None:
+            sent[step] = probs._pending[1].tolist()
+        before = probs.stats.sums.get("trace_exact")
+        fold()
+        if probs.stats.sums.get("trace_exact") != before:
+            sampled.add(step)
+
+    probs._fold = recording
+    trainer.train()
+    recording()
+    return trainer, sent, sampled
+
+
+@pytest.mark.parametrize("case", [
+    dict(max_steps=10),  # accumulation: the hooks' local gradients
+    dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=14),  # one process: B / 2B
+], ids=["accumulation", "single"])
+def test_under_an_fp16_loss_scaler_auto_measures_the_unscaled_gradient(tokenizer, far_dataset, tmp_path, case):
+    """fp16's scaler multiplies every backward's gradient by its loss scale; transformers' gradient norm is unscaled.
+    At 2^12 auto sends what it sends at scale 1 (fp16 rounding apart), and so estimates the same noise scale. Failed
+    before the fix: the hooks' and the B / 2B buffer's norms came 2^24 times too large."""
+    runs = {scale: _scaled_auto_run(tokenizer, far_dataset, tmp_path / str(scale), scale, **case)[:2]
+            for scale in (1.0, 2.0**12)}
+    (plain, at_one), (scaled, at_big) = runs[1.0], runs[2.0**12]
+    assert at_one.keys() == at_big.keys() and len(at_one) == case["max_steps"]
+    for step in at_one:
+        assert at_big[step] == pytest.approx(at_one[step], rel=2e-2, abs=1e-9), step
+    a, b = plain.auto_keep_probs, scaled.auto_keep_probs
+    assert a.history and b.history
+    assert b.history[0]["b_simple"] == pytest.approx(a.history[0]["b_simple"], rel=5e-2)
+
+
+@pytest.mark.parametrize("case, overflow", [
+    (dict(max_steps=8), 2),  # an exact step of the warm-up
+    (dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=20), 14),  # a pair's first step
+], ids=["accumulation", "single"])
+def test_a_step_the_fp16_scaler_skipped_measures_nothing(tokenizer, far_dataset, tmp_path, case, overflow):
+    """An overflowing step (the scaler skips it and halves its scale) sends non-finite norms: auto drops that step
+    (B / 2B: its pair, and the link that reads its gradient) and keeps the others; its statistics stay finite. Failed
+    before the fix: NaN in the running sums."""
+    trainer, sent, sampled = _scaled_auto_run(tokenizer, far_dataset, tmp_path, 2.0**12, overflow_steps={overflow},
+                                              **case)
+    probs = trainer.auto_keep_probs
+    assert trainer.accelerator.scaler.get_scale() == 2.0**11  # backed off once
+    assert not all(math.isfinite(x) for x in sent[overflow])  # the skipped step sent what it saw
+    # B / 2B: a pair's sample comes at its second step
+    assert not sampled & {overflow, overflow + 1} and len(sampled) >= 2
+    assert all(math.isfinite(x) for sums in probs.stats.sums.values() for x in sums)
+
+
+def test_auto_refuses_deepspeeds_fp16_loss_scaler():
+    """DeepSpeed scales fp16 gradients in its own engine, whose scale auto does not read: refused, before training."""
+    args = SimpleNamespace(fp16=True, branch_keep_prob="auto", position_keep_prob=1.0)
+    with pytest.raises(ValueError, match="DeepSpeed's fp16 loss scaler"):
+        auto.AutoKeepProbs(args, SimpleNamespace(), deepspeed=True)

@@ -87,7 +87,11 @@ class AutoKeepProbs(TrainerCallback):
     """Measures each step's norms, chooses the keep probabilities, and says why (docs/method.md, "auto"). A callback
     only to attach its gradient hooks to the model as training wraps it, and to remove them."""
 
-    def __init__(self, args: Any, model_config: Any, adapters: bool = False):
+    def __init__(self, args: Any, model_config: Any, adapters: bool = False, deepspeed: bool = False):
+        # accelerate's fp16 scaler is unscaled here (its scale is read); DeepSpeed's own is not.
+        if deepspeed and args.fp16:
+            raise ValueError('branch_keep_prob / position_keep_prob "auto" cannot measure gradients under DeepSpeed\'s '
+                             "fp16 loss scaler: train in bf16, or set the keep probabilities to numbers.")
         self.head = head_share(model_config)
         self.branch_auto = args.branch_keep_prob == "auto"
         self.position_auto = args.position_keep_prob == "auto"
@@ -207,9 +211,9 @@ class AutoKeepProbs(TrainerCallback):
         self.detach()
 
     def attach(self, model: torch.nn.Module) -> None:
-        """At the start of `train()`, on the model as training wrapped it: the B / 2B path reads `.grad` after each backward; the engine path hooks each
-        micro-batch's local gradient, before accumulation and reduction (FSDP2: its unsharded parameters, which exist
-        from the first forward on)."""
+        """At the start of `train()`, on the model as training wrapped it: the B / 2B path reads `.grad` after each
+        backward; the engine path hooks each micro-batch's local gradient, before accumulation and reduction (FSDP2:
+        its unsharded parameters, which exist from the first forward on)."""
         params = [p for p in model.parameters() if p.requires_grad and not hasattr(p, "device_mesh")]
         if self.single:
             self._params = params
@@ -242,37 +246,48 @@ class AutoKeepProbs(TrainerCallback):
             self.step.small_norm2 = self.step.small_norm2 + torch.linalg.vector_norm(
                 grad.detach(), dtype=torch.float32).square()
 
-    def after_backward(self, step: int) -> None:
-        """A micro-batch's backward is done: on the B / 2B path (its one micro-batch), `.grad` before clipping."""
+    def after_backward(self, step: int, scale: torch.Tensor | None = None) -> None:
+        """A micro-batch's backward is done: on the B / 2B path (its one micro-batch), `.grad` before clipping and,
+        under an fp16 loss scaler, before unscaling (`scale`: the device tensor it ran under, guards.loss_scale)."""
         if self.single and self.measuring:
-            self._read_pair(step)
+            self._read_pair(step, scale)
 
-    def _read_pair(self, step: int) -> None:
+    def _read_pair(self, step: int, scale: torch.Tensor | None) -> None:
         """B / 2B, before clipping, fused over the parameters: |g_(t-1) - g_t|² on a pair's second step, the
-        link |g_(t-2) - g_t|² on a first step (Eq. A4), from the one buffer; a first step's gradient kept in it."""
+        link |g_(t-2) - g_t|² on a first step (Eq. A4), from the one buffer; a first step's gradient kept in it,
+        unscaled (the loss scale may change between the two steps)."""
         # A parameter without a gradient (unused this step) counts as 0.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         if self._buffer is None:
             self._buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
             self._parts = [x.view(g.shape) for x, g in zip(self._buffer.split([g.numel() for g in grads]), grads)]
         if self.held_step in (step - 1, step - 2):
+            # At this step's scale, in place: no second gradient-sized buffer.
+            if scale is not None:
+                torch._foreach_mul_(self._parts, scale)
             torch._foreach_sub_(self._parts, grads)
-            self.step.pair_diff2 = torch.stack(torch._foreach_norm(self._parts, dtype=torch.float32)).square().sum()
+            diff2 = torch.stack(torch._foreach_norm(self._parts, dtype=torch.float32)).square().sum()
+            self.step.pair_diff2 = diff2 if scale is None else diff2 / scale.float().square()
             # On a pair's second step, its first gradient goes back: the next pair's first step links to it.
             if step % 2:
                 torch._foreach_add_(self._parts, grads)
+                if scale is not None:
+                    torch._foreach_div_(self._parts, scale)
         if step % 2 == 0:
             torch._foreach_copy_(self._parts, grads)
+            if scale is not None:
+                torch._foreach_div_(self._parts, scale)
 
     def add_work(self, counts: WorkCounts) -> None:
         """A micro-step's work, from its plan's counts, in `work_units`."""
         self.step.work += sum(weight * getattr(counts, name) for name, weight in self.units.items())
 
     def end_step(self, step: int, grad_norm: torch.Tensor | float | None, loss: torch.Tensor | None,
-                 accumulation: int, accelerator: Any) -> None:
-        """Optimizer step `step` ended with the pre-clip, accumulated, reduced `grad_norm` and this process's `loss`
-        (summed over its micro-steps, each divided by `accumulation`): one all-reduce of five scalars on every rank,
-        every step (no device read here); read at the next decision."""
+                 accumulation: int, accelerator: Any, scale: torch.Tensor | None = None) -> None:
+        """Optimizer step `step` ended with the pre-clip, accumulated, reduced `grad_norm` (unscaled) and this
+        process's `loss` (summed over its micro-steps, each divided by `accumulation`); `scale`: the fp16 loss scale its
+        backwards ran under (a device copy), or None. One all-reduce of five scalars on every rank, every step (no
+        device read here); read at the next decision, which drops a step the scaler skipped (non-finite)."""
         measured = self.step
         clip = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # One micro-batch, one process: the pre-clip norm is its own gradient's.
@@ -281,8 +296,10 @@ class AutoKeepProbs(TrainerCallback):
         values = (measured.small_norm2, measured.pairs, measured.work, measured.pair_diff2, loss)
         local = torch.stack([torch.as_tensor(0.0 if x is None else x, dtype=torch.float64, device=accelerator.device)
                              for x in values])
-        # The loss was divided by the accumulation steps.
+        # The loss was divided by the accumulation steps; the hooks saw the gradients of the scaled loss.
         local[0] *= accumulation ** 2
+        if scale is not None and not self.single:
+            local[0] /= scale.to(local).square()
         self._pending = (step, accelerator.reduce(local, "sum"), accumulation * accelerator.num_processes, clip)
         if self.measuring and step % 2 == 0:
             self.held_step = step
@@ -296,6 +313,9 @@ class AutoKeepProbs(TrainerCallback):
         (step, reduced, micro, clip), self._pending = self._pending, None
         # The five scalars `end_step` reduced, summed over processes.
         totals = StepTotals(*reduced.tolist())
+        # A step the fp16 loss scaler skipped (its gradient overflowed) measures nothing.
+        if not all(math.isfinite(value) for value in totals):
+            return
         small2, pairs = totals.small_norm2, totals.pairs
         kind = self.kind(step)
         # Every kind of step: the loss's value is exact or unbiased.
@@ -306,6 +326,8 @@ class AutoKeepProbs(TrainerCallback):
         sizes, drift = None, 0.0
         if not self.single and clip is not None:
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
+            if not math.isfinite(sizes[1]):
+                return
         elif self.single:
             # B and 2B pairs, and the drift between their two steps (None: not measured).
             sizes, drift = self._paired.add(step, kind, small2, totals.pair_diff2, pairs)

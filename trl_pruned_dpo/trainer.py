@@ -123,7 +123,7 @@ class PrunedDPOTrainer(DPOTrainer):
             from accelerate.utils import is_peft_model
 
             policy = self.accelerator.unwrap_model(self.model)
-            self._auto = AutoKeepProbs(args, policy.config, adapters=is_peft_model(policy))
+            self._auto = AutoKeepProbs(args, policy.config, is_peft_model(policy), self.is_deepspeed_enabled)
             # It hooks the gradients of the model as training wraps it (auto.py).
             self.add_callback(self._auto)
         # Whether a step's micro-batches can merge, from what is known once TRL is built (merged_step.py).
@@ -350,7 +350,7 @@ class PrunedDPOTrainer(DPOTrainer):
         self.run_state.add_loss(loss, self.accelerator.scaler)
         # The backward is done, the gradient not clipped yet.
         if self._auto is not None:
-            self._auto.after_backward(self.state.global_step)
+            self._auto.after_backward(self.state.global_step, self.run_state.step_scale)
         return loss
 
     def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: torch.Tensor | float | None, *pargs: Any,
@@ -359,7 +359,7 @@ class PrunedDPOTrainer(DPOTrainer):
         # checks it before it is logged or saved.
         if self._auto is not None and self.run_state.step_loss is not None:
             self._auto.end_step(self.state.global_step - 1, grad_norm, self.run_state.step_loss,
-                                self.current_gradient_accumulation_steps, self.accelerator)
+                                self.current_gradient_accumulation_steps, self.accelerator, self.run_state.step_scale)
         self.run_state.end_step(self, grad_norm, run_output_dir(self))
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *pargs, **kwargs)
 
