@@ -418,6 +418,7 @@ def test_no_device_read_from_packing_detection(estimator, tokenizer, tmp_path, m
             phase.pop()
 
     monkeypatch.setattr(trainer, "training_step", in_micro_step)
+    trainer.merge_safe_overrides = True  # the wrapper only observes: the step still merges
     trainer.train()
     assert trainer.forward_choice.packed and reads.count("micro-step") == 0, reads
     with torch.no_grad():

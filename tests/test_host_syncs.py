@@ -71,6 +71,7 @@ def count_reads(monkeypatch, trainer) -> Counter:
         return wrapped
 
     monkeypatch.setattr(trainer, "training_step", in_phase("micro-step", trainer.training_step))
+    trainer.merge_safe_overrides = True  # the wrapper only observes: the step still merges
     monkeypatch.setattr(trainer, "_maybe_log_save_evaluate",
                         in_phase("step end", trainer._maybe_log_save_evaluate))
     monkeypatch.setattr(trainer, "log", in_phase("log", trainer.log))

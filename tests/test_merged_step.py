@@ -38,11 +38,15 @@ WHOLE_STEP = 10**9
 NOTICE = "Merged step off (`step_token_budget`)"
 
 
-def one_step(tokenizer, tmp_path, trainer_cls=PrunedDPOTrainer, config_cls=PrunedDPOConfig, rows=None, **config):
-    """Train `config` for one optimizer step: (update, {"policy", "reference": passes over the model}, logged entry,
-    the warnings said, the times gradient checkpointing was switched off for a no-grad block)."""
+def one_step(tokenizer, tmp_path, trainer_cls=PrunedDPOTrainer, config_cls=PrunedDPOConfig, rows=None, patch=None,
+             **config):
+    """Train `config` for one optimizer step (`patch`: called with the trainer first): (update, {"policy",
+    "reference": passes over the model}, logged entry, the warnings said, the times gradient checkpointing was
+    switched off for a no-grad block)."""
     dataset = Dataset.from_list(rows or ragged_rows())
     trainer = build_trainer(trainer_cls, config_cls, tokenizer, dataset, tmp_path, **{**STEP, **config})
+    if patch is not None:
+        patch(trainer)
     calls = {"policy": 0, "reference": 0}
     models = {"policy": trainer.model, "reference": trainer.ref_model}
     for name, model in models.items():
@@ -256,6 +260,32 @@ def test_the_overrides_a_merged_pass_would_bypass_are_named():
     assert bypassed_overrides(type("Both", (L2PerCall, OwnForward), {}), PrunedDPOTrainer) == (
         "compute_loss", "concatenated_forward")
     assert bypassed_overrides(DeclaredSafe, PrunedDPOTrainer) == ()
+
+
+def _l2_patched_onto(trainer, declared_safe=False):
+    """L2PerCall's term, as a wrapper patched onto the instance (as a library or a user's script may)."""
+    compute_loss = trainer.compute_loss
+
+    def with_l2(model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss + 1e-2 * sum(p.pow(2).sum() for p in model.parameters() if p.requires_grad)
+
+    trainer.compute_loss = with_l2
+    if declared_safe:
+        trainer.merge_safe_overrides = True
+
+
+def test_a_compute_loss_patched_onto_the_trainer_trains_as_unmerged(tokenizer, tmp_path):
+    """Patched onto the instance after construction, the wrapper is seen when `train()` starts: merging off, said
+    once, = unmerged. Failed before: the class alone was read, and the wrapper ran once per pass (update 0.4 off)."""
+    merged = one_step(tokenizer, tmp_path / "asked", patch=_l2_patched_onto, step_token_budget=WHOLE_STEP)
+    unmerged = one_step(tokenizer, tmp_path / "off", patch=_l2_patched_onto, step_token_budget=0)
+    assert torch.equal(merged[0], unmerged[0]), f"update {relative(merged[0], unmerged[0]):.2f} off unmerged's"
+    assert len(merged[3]) == 1 and "`compute_loss` (in its class or on the instance)" in merged[3][0]
+    # Declared safe on the instance, it merges (and here, being per call, is then off unmerged's).
+    declared = one_step(tokenizer, tmp_path / "declared", patch=lambda t: _l2_patched_onto(t, declared_safe=True),
+                        step_token_budget=WHOLE_STEP)
+    assert declared[3] == [] and declared[1]["policy"] < unmerged[1]["policy"]
 
 
 @pytest.mark.parametrize("trainer_cls", [L2PerCall, TRLLoss], ids=["l2", "trl-loss"])

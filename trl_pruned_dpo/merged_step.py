@@ -125,19 +125,21 @@ def _deepspeed_why_unmerged() -> str | None:
 PER_MICRO_BATCH = ("compute_loss", "concatenated_forward", "training_step")
 
 
-def bypassed_overrides(cls: type, base: type) -> tuple[str, ...]:
-    """The methods of `PER_MICRO_BATCH` that the trainer's class `cls` overrides from `base` (PrunedDPOTrainer); none
-    where the class declares them right once per pass with the class attribute `merge_safe_overrides = True` (a
-    subclass of PrunedDPOTrainer that leaves it unset trains unmerged)."""
-    if getattr(cls, "merge_safe_overrides", False):
+def bypassed_overrides(trainer: Any, base: type) -> tuple[str, ...]:
+    """The methods of `PER_MICRO_BATCH` that `trainer` (an instance, or a class) overrides from `base`
+    (PrunedDPOTrainer): in its class, or patched onto the instance (as a wrapper or a library may). None where it
+    declares them right once per pass with `merge_safe_overrides = True` (a class or an instance attribute): one that
+    leaves it unset trains unmerged."""
+    if getattr(trainer, "merge_safe_overrides", False):
         return ()
-    return tuple(name for name in PER_MICRO_BATCH if getattr(cls, name) is not getattr(base, name))
+    cls, patched = (trainer, {}) if isinstance(trainer, type) else (type(trainer), vars(trainer))
+    return tuple(name for name in PER_MICRO_BATCH if getattr(cls, name) is not getattr(base, name) or name in patched)
 
 
 def why_unmerged(args: Any, choice: ForwardChoice, accelerator: Any, aux_loss_enabled: bool, fsdp: bool,
                  overrides: tuple[str, ...] = ()) -> str | None:
     """Why this run's micro-batches cannot be merged (each then runs alone, as unmerged), or None. `overrides`: the
-    trainer class's `bypassed_overrides`."""
+    trainer's `bypassed_overrides`."""
     from accelerate.utils import DistributedType
 
     deepspeed = _deepspeed_why_unmerged() if accelerator.distributed_type == DistributedType.DEEPSPEED else None
@@ -152,9 +154,9 @@ def why_unmerged(args: Any, choice: ForwardChoice, accelerator: Any, aux_loss_en
         (aux_loss_enabled, "the MoE router loss is counted over each micro-batch's padded rows"),
         (not choice.packed, "the padded layout runs each micro-batch's own rows"),
         (args.auto_keep_probs, '"auto" measures each micro-batch\'s gradient'),
-        (bool(overrides), f"the trainer's class overrides {', '.join(f'`{name}`' for name in overrides)}, which a "
-                          "merged pass does not call once per micro-batch (a class whose overrides are right once per "
-                          "pass sets `merge_safe_overrides = True`)"),
+        (bool(overrides), f"the trainer overrides {', '.join(f'`{name}`' for name in overrides)} (in its class or "
+                          "on the instance), which a merged pass does not call once per micro-batch (a trainer whose "
+                          "overrides are right once per pass sets `merge_safe_overrides = True`)"),
         (args.neftune_noise_alpha is not None, "NEFTune (`neftune_noise_alpha`) scales its noise by 1/sqrt(row "
                                                "length x hidden size), and a merged pass is one longer row: less "
                                                "noise than each micro-batch's own"),

@@ -126,10 +126,8 @@ class PrunedDPOTrainer(DPOTrainer):
             self._auto = AutoKeepProbs(args, policy.config, is_peft_model(policy), self.is_deepspeed_enabled)
             # It hooks the gradients of the model as training wraps it (auto.py).
             self.add_callback(self._auto)
-        # Whether a step's micro-batches can merge, from what is known once TRL is built (merged_step.py).
-        self._merger = merged_step.StepMerger(merged_step.why_unmerged(
-            args, self._forward_choice, self.accelerator, self.aux_loss_enabled, self.is_fsdp_enabled,
-            merged_step.bypassed_overrides(type(self), PrunedDPOTrainer)))
+        # The merged step's state (merged_step.py), set up again by each `train()`.
+        self._merger = merged_step.StepMerger(None)
         # Whether this run can drop a branch at all ("auto" on adapter training never does).
         self._drops_branches = (self._auto is not None and "branch" in self._auto.families) or (
             args.branch_keep_prob != AUTO and args.branch_keep_prob < 1)
@@ -301,6 +299,10 @@ class PrunedDPOTrainer(DPOTrainer):
         complete one; a stock checkpoint resumes with a note), warning about settings that should alarm, and stopping
         a diverging run (safety/). Raises `errors.ResumeError` and `errors.TrainingDiverged`, each one line."""
         resume = _before_train(self, resume_from_checkpoint)
+        # Whether a step's micro-batches can merge, once methods may have been patched onto the trainer.
+        self._merger = merged_step.StepMerger(merged_step.why_unmerged(
+            self.args, self._forward_choice, self.accelerator, self.aux_loss_enabled, self.is_fsdp_enabled,
+            merged_step.bypassed_overrides(self, PrunedDPOTrainer)))
         # Inside `train()`, the plugin's metrics are read at the logging step (metrics.PendingMetrics).
         self._pending.deferred = True
         try:
