@@ -50,7 +50,8 @@ from .seam import (
 
 def _before_train(trainer: "PrunedDPOTrainer", resume_from_checkpoint: str | bool | None) -> str | None:
     """The run state a `train()` starts from (safety/): the checkpoint to resume (said where it needs a note), the
-    guard's, auto's and the logging window's state from it; the checks and warnings of pruned training."""
+    guard's, auto's and the logging window's state from it; the checks and warnings of pruned training; whether a
+    step's micro-batches can merge, once methods may have been patched onto the trainer (merged_step.py)."""
     from transformers.utils import logging
 
     args, pruned = trainer.args, trainer.forward_choice.pruned
@@ -67,6 +68,9 @@ def _before_train(trainer: "PrunedDPOTrainer", resume_from_checkpoint: str | boo
     if pruned:
         guards.warn_before_training(args)
     trainer._pending.discard(train_metrics(trainer))
+    trainer._merger = merged_step.StepMerger(merged_step.why_unmerged(
+        args, trainer.forward_choice, trainer.accelerator, trainer.aux_loss_enabled, trainer.is_fsdp_enabled,
+        merged_step.bypassed_overrides(trainer, PrunedDPOTrainer)))
     return resume
 
 
@@ -126,7 +130,7 @@ class PrunedDPOTrainer(DPOTrainer):
             self._auto = AutoKeepProbs(args, policy.config, is_peft_model(policy), self.is_deepspeed_enabled)
             # It hooks the gradients of the model as training wraps it (auto.py).
             self.add_callback(self._auto)
-        # The merged step's state (merged_step.py), set up again by each `train()`.
+        # The merged step's state (merged_step.py), set up by each `train()`.
         self._merger = merged_step.StepMerger(None)
         # Whether this run can drop a branch at all ("auto" on adapter training never does).
         self._drops_branches = (self._auto is not None and "branch" in self._auto.families) or (
@@ -299,10 +303,6 @@ class PrunedDPOTrainer(DPOTrainer):
         complete one; a stock checkpoint resumes with a note), warning about settings that should alarm, and stopping
         a diverging run (safety/). Raises `errors.ResumeError` and `errors.TrainingDiverged`, each one line."""
         resume = _before_train(self, resume_from_checkpoint)
-        # Whether a step's micro-batches can merge, once methods may have been patched onto the trainer.
-        self._merger = merged_step.StepMerger(merged_step.why_unmerged(
-            self.args, self._forward_choice, self.accelerator, self.aux_loss_enabled, self.is_fsdp_enabled,
-            merged_step.bypassed_overrides(self, PrunedDPOTrainer)))
         # Inside `train()`, the plugin's metrics are read at the logging step (metrics.PendingMetrics).
         self._pending.deferred = True
         try:
