@@ -77,8 +77,10 @@ RUNS = [
     {"name": "packed", "config": {**PRUNED, "padding_free": True, "max_steps": 2}},
     # the merged step (merged_step.py): each optimizer step's two micro-batches in one pass under every engine,
     # against its unmerged twin
-    {"name": "merged", "config": {**MERGED, "step_token_budget": 10**9}},
+    {"name": "merged", "config": {**MERGED, "step_token_budget": 10**9, "save_strategy": "steps", "save_steps": 2}},
     {"name": "merged-off", "config": {**MERGED, "step_token_budget": 0}},
+    # a merged run resumed from its mid-run checkpoint (every engine's own checkpoint format)
+    {"name": "merged-resumed", "config": {**MERGED, "step_token_budget": 10**9}, "resume": "merged/checkpoint-2"},
     # ranks whose micro-batches group differently (every engine): the LoRA reference
     # (the policy, adapter disabled: TRL's LoRA recipe) and a separate one, each against its unmerged twin
     {"name": "ragged-peft", "reference": "peft", "data": "ragged", "config": RAGGED, "engines": MERGING_HEAVY},
@@ -496,20 +498,25 @@ def test_a_rank_with_nothing_to_backpropagate_keeps_step(engine_run):
 
 
 @pytest.mark.slow
-def test_resume_continues_the_mask_stream(engine_run):
+@pytest.mark.parametrize("full_run, resumed_run", [("pruned", "resumed"), ("merged", "merged-resumed")],
+                         ids=["unmerged", "merged"])
+def test_resume_continues_the_mask_stream(engine_run, full_run, resumed_run):
+    """Resumed from step 2's checkpoint, a run draws the masks of the uninterrupted one and ends on its weights;
+    merged, each step's two micro-batches still run as one pass after the resume."""
     _, out = engine_run
     for rank in range(WORLD):
-        full = {(d["step"], d["micro"]): d for d in report(out, "pruned", rank)["draws"]}
-        resumed = report(out, "resumed", rank)["draws"]
+        full = {(d["step"], d["micro"]): d for d in report(out, full_run, rank)["draws"]}
+        resumed = report(out, resumed_run, rank)["draws"]
         assert [d["step"] for d in resumed] == [2, 2, 3, 3]
         for d in resumed:
             assert d == full[(d["step"], d["micro"])], (rank, d["step"], d["micro"])  # same batch, same masks
-        history = losses(report(out, "resumed", rank)["log_history"])
-        reference = {h["step"]: h["loss"] for h in losses(report(out, "pruned", rank)["log_history"])}
+        assert {d["pass"] for d in resumed} == ({2} if full_run == "merged" else {1})
+        history = losses(report(out, resumed_run, rank)["log_history"])
+        reference = {h["step"]: h["loss"] for h in losses(report(out, full_run, rank)["log_history"])}
         assert [h["step"] for h in history] == [1, 2, 3, 4]  # steps 1-2 come back from the checkpoint's state
         for h in history:
             assert h["loss"] == pytest.approx(reference[h["step"]], rel=1e-5)
-    w_full, w_resumed = weights(out, "pruned", 0), weights(out, "resumed", 0)
+    w_full, w_resumed = weights(out, full_run, 0), weights(out, resumed_run, 0)
     for key in w_full:
         torch.testing.assert_close(w_resumed[key], w_full[key], rtol=1e-5, atol=1e-7, msg=key)
 
