@@ -23,7 +23,8 @@ import torch
 
 from benchmarks.workload import length_model
 from trl_pruned_dpo.method.masks import draw_masks, mask_generator
-from trl_pruned_dpo.method.plan import HostBatch, Layout, plan_micro_step
+from trl_pruned_dpo.method.packing import HostBatch
+from trl_pruned_dpo.method.plan import Layout, plan_micro_step
 
 VOCAB = 32000
 SIZES = [(8, 1.25), (16, 2.5), (64, 2.4)]  # (pairs, length scale): ~8.9k, ~34k, ~142k real tokens

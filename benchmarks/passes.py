@@ -25,7 +25,7 @@ last step (the first also starts the data loader's sampler; the JSON has every s
   any module: torch, transformers, TRL, the plugin), counted at the dispatcher, plus every `Tensor.tolist()` and
   `Tensor.numpy()` call. On a CPU a host tensor and a device tensor are one kind, so three columns:
   `raw`: all of them; `reads` (the headline): without those made by the plugin's host planner (method/masks.py,
-  plan.py, tree.py), which reads the collator's host copy of the batch (tests/test_host_syncs.py's rule);
+  packing.py, plan.py, tree.py), which reads the collator's host copy of the batch (tests/test_host_syncs.py's rule);
   `device`: only reads of tensors derived from the device batch or the models' weights. That provenance is tracked
   op by op (a dispatch mode taints the outputs of any op with a tainted input; `_prepare_inputs` hands the step fresh
   copies of the batch's tensors, as its move to a GPU would, while the collator's host copy keeps the originals);
@@ -74,7 +74,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The plugin as imported (a test run from tests/ may import another checkout's): call sites are matched against it.
 PLUGIN = os.path.dirname(os.path.abspath(trl_pruned_dpo.__file__)) + os.sep
 PACKAGE = os.path.dirname(os.path.dirname(PLUGIN))
-HOST_PLANNER = tuple(f"trl_pruned_dpo/method/{name}" for name in ("masks.py", "plan.py", "tree.py"))
+HOST_PLANNER = tuple(f"trl_pruned_dpo/method/{name}" for name in ("masks.py", "packing.py", "plan.py", "tree.py"))
 TORCH = os.path.dirname(torch.__file__) + os.sep
 HERE = os.path.abspath(__file__)
 

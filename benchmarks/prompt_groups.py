@@ -8,7 +8,7 @@ Workloads: k = 2..6 responses per prompt, paired "best" against the rest (k - 1 
 UltraFeedback-shaped lengths (workload.LENGTH_MODELS, at `--scale`), the bench model (workload.MODEL_SHAPE), a live
 reference, gradient checkpointing on (TRL's defaults). Each micro-batch holds whole prompt groups (at least
 `--pairs` pairs) and every side is fed the same batches in the same order (a sequential sampler), from identical
-weights. Pair sharing is the same trainer with the plan's trees cut to pairs (`plan.pair_trees`, benchmark only).
+weights. Pair sharing is the same trainer with the plan's trees cut to pairs (`packing.pair_trees`, benchmark only).
 One torch thread, the process CPU-time clock, warm-up rounds then rounds in alternating order: per side the median
 step, and each speedup the median of the per-round ratios (a round's three steps ran back to back on one batch).
 "Arithmetic": per prompt group its prompt once plus each distinct response (tokens); "executed": the policy forward's
@@ -63,12 +63,13 @@ def group_rows(k: int, pairing: str, groups: int, scale: float, rng: random.Rand
 
 @contextlib.contextmanager
 def pair_sharing(active: bool):
-    """The plan's trees cut to pairs (the defaults before prompt groups): each pair's prompt once."""
-    from trl_pruned_dpo.method import plan
+    """The plan's trees cut to pairs (the defaults before prompt groups): each pair's prompt once. Patched where the
+    micro-step's plan reads them (method/plan.py), not where they are defined (method/packing.py)."""
+    from trl_pruned_dpo.method import packing, plan
 
     original = plan.row_trees
     if active:
-        plan.row_trees = lambda host, share: plan.pair_trees(torch.full((host.input_ids.size(0) // 2,), share))
+        plan.row_trees = lambda host, share: packing.pair_trees(torch.full((host.input_ids.size(0) // 2,), share))
     try:
         yield
     finally:

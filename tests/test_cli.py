@@ -194,7 +194,7 @@ def test_saved_files_get_the_mode_of_their_siblings(tmp_path):
     final model (cli) get what the umask gives every other file."""
     from transformers import AutoModelForCausalLM
 
-    from trl_pruned_dpo.safety.checkpoints import default_mode, give_default_modes, write_json_atomic
+    from trl_pruned_dpo.safety.disk_writes import default_mode, give_default_modes, write_json_atomic
 
     AutoModelForCausalLM.from_pretrained(resolve_model("builtin:tiny-demo")).save_pretrained(tmp_path / "m")
     kept = tmp_path / "m" / "private.txt"

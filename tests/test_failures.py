@@ -33,7 +33,7 @@ from conftest import SAVINGS_OFF, build_trainer, preference_rows
 from datasets import Dataset
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer, cli
-from trl_pruned_dpo.safety import checkpoints
+from trl_pruned_dpo.safety import checkpoints, disk_writes
 from trl_pruned_dpo.errors import DiskFullError, EmptyTrainingSet, OutputDirError, ResumeError, TrainingDiverged
 from trl_pruned_dpo.safety.checkpoints import MARKER
 from trl_pruned_dpo.safety.guards import (
@@ -543,7 +543,7 @@ def test_every_row_dropped_by_truncation_is_said(tokenizer, data, tmp_path):
 
 def _write_markers(path, count):
     for i in range(count):
-        checkpoints.write_json_atomic(Path(path), {"writer": os.getpid(), "i": i})
+        disk_writes.write_json_atomic(Path(path), {"writer": os.getpid(), "i": i})
 
 
 def test_marker_writers_on_a_shared_folder_never_collide(tmp_path):

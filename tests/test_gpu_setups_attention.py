@@ -29,7 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from conftest import build_trainer, first_batch, loss_and_grads
 from test_packed import ONLY, assert_exact, edge_rows, family, naive_varlen, pair_of_trainers, _host
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
-from trl_pruned_dpo.method.plan import pair_trees, plan_group
+from trl_pruned_dpo.method.packing import pair_trees, plan_group
 from trl_pruned_dpo.seam import attention
 
 HUB = "kernels-community/flash-attn"

@@ -8,8 +8,9 @@ collective (`gather`, `reduce`) made from the plugin's own code is recorded with
   stop flag: guards.step_values) when the guard is on, none when it is off;
 - a logging step (`log`): one gather and one read for all the plugin's metrics of the window (metrics.flush).
 
-The host planner (method/masks.py, method/plan.py, method/tree.py) is not counted: it reads the collator's host copy of the token ids
-(reference.HostBatch), never a device tensor; test_share_prompt.py checks that the batch it plans from is that copy.
+The host planner (method/masks.py, method/packing.py, method/plan.py, method/tree.py) is not counted: it reads the
+collator's host copy of the token ids (packing.HostBatch), never a device tensor; test_share_prompt.py checks that the
+batch it plans from is that copy.
 On a CPU-only machine a host tensor and a device tensor cannot be told apart, hence the exclusion by module.
 """
 
@@ -25,7 +26,7 @@ from tiny import SAVINGS_OFF, build_trainer, preference_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 
 PACKAGE = str(Path(__file__).resolve().parents[1] / "trl_pruned_dpo")
-HOST_PLANNER = ("method/masks.py", "method/plan.py", "method/tree.py")
+HOST_PLANNER = ("method/masks.py", "method/packing.py", "method/plan.py", "method/tree.py")
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "numpy")
 STEPS, ACCUMULATION, LOGGING = 4, 2, 2
 

@@ -29,7 +29,8 @@ from trl import DPOConfig, DPOTrainer
 
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.merged_step import StepPasses, agreed_across_ranks, bypassed_overrides, why_unmerged
-from trl_pruned_dpo.method.plan import concat_groups, group_passes, split_grid
+from trl_pruned_dpo.method.packing import concat_groups, split_grid
+from trl_pruned_dpo.method.plan import group_passes
 from trl_pruned_dpo.pruned_forward import reference_log_probs
 
 STEP = dict(max_steps=1, per_device_train_batch_size=2, gradient_accumulation_steps=4, optim="sgd", learning_rate=1.0,

@@ -15,7 +15,7 @@ from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, t
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.seam import attention
-from trl_pruned_dpo.method.plan import HostBatch, pair_trees, plan_group
+from trl_pruned_dpo.method.packing import HostBatch, pair_trees, plan_group
 
 EAGER_ONLY = ("gemma2", "bloom", "mpt", "gpt_neo")  # no sdpa attention in transformers 5.24
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

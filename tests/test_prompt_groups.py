@@ -22,7 +22,8 @@ from test_share_prompt import (
 from test_unbiased import max_z
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import draw_branches, draw_masks, identical_rows, mask_generator
-from trl_pruned_dpo.method.plan import pair_trees, plan_group, plan_policy, prompt_groups, row_trees
+from trl_pruned_dpo.method.packing import pair_trees, plan_group, prompt_groups, row_trees
+from trl_pruned_dpo.method.plan import plan_policy
 from trl_pruned_dpo.reference import host_batch
 from trl_pruned_dpo.sampler import grouped_order
 from trl_pruned_dpo.seam import attention

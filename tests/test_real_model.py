@@ -7,7 +7,7 @@ BPE tokenizer and chat template, on real text in TRL's conversational format (bu
   and with LoRA;
 - the prompt/completion boundary: TRL tokenizes the prompt and prompt+completion separately and keeps, for both rows
   of a pair, the tokens the three agree on. The packed layout shares only the leading tokens the two rows really have
-  in common (method/plan.py `common_tokens`, compared token by token), never "the prompt": a pair whose rows' prompt
+  in common (method/packing.py `common_tokens`, compared token by token), never "the prompt": a pair whose rows' prompt
   tokens differ (a BPE merge across the boundary, or `keep_end` truncation cutting the two rows differently) runs
   exactly, and the truncation case is announced by a warning before training.
 
@@ -38,7 +38,7 @@ from pretrained_builds import (  # noqa: F401 - fixtures
 from trl_pruned_dpo import PrunedDPOTrainer
 from trl_pruned_dpo.demo import pretrained, resolve_model
 from trl_pruned_dpo.demo.realtext import QUESTIONS, make_splits, sections
-from trl_pruned_dpo.method.plan import HostBatch, common_tokens
+from trl_pruned_dpo.method.packing import HostBatch, common_tokens
 
 MODEL = "builtin:smollm2-135m-instruct"
 PAIRS = 4

@@ -20,9 +20,8 @@ from test_off_means_stock import assert_same_step
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.masks import PruneMasks
 from trl_pruned_dpo.seam.attention import PACKED
-from trl_pruned_dpo.method.plan import (
-    HostBatch, common_tokens, pair_trees, plan_group, plan_policy,
-)
+from trl_pruned_dpo.method.packing import HostBatch, common_tokens, pair_trees, plan_group
+from trl_pruned_dpo.method.plan import plan_policy
 
 # `share_prompt` alone (`padding_free`, also on by default, off); "unshared" below is `SAVINGS_OFF`, both off.
 SHARED = dict(share_prompt=True, padding_free=False)
@@ -269,7 +268,7 @@ SYNC_METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__
 @pytest.mark.parametrize("share", [False, True])
 def test_one_sync_and_one_checkpointing_toggle_per_micro_step(share, tokenizer, dataset, tmp_path, monkeypatch):
     """Device-side code (trainer.py, pruned_forward.py) converts a tensor to Python at most once per micro-step (the logged
-    counts); the plan (plan.py, masks.py) reads host tensors only. Gradient checkpointing is toggled at most once."""
+    counts); the plan (plan.py, packing.py, masks.py) reads host tensors only. Gradient checkpointing is toggled at most once."""
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, dataset, tmp_path, share_prompt=share,
                             padding_free=False, branch_keep_prob=0.5, position_keep_prob=0.5, prefix_prune_prob=0.5)
     batch = first_batch(trainer)

@@ -127,7 +127,7 @@ PACKED = dict(share_prompt=True, padding_free=True)
 @pytest.mark.parametrize("sampling", ["paired", "independent"])
 def test_branch_gradient_is_unbiased(make, sampling, layout):
     """Packed, a dropped branch runs under no_grad only what the kept one does not, reading the shared prompt's keys
-    from the grad forward (plan.plan_split); its cells in the shared part read the grad forward's outputs."""
+    from the grad forward (packing.plan_split); its cells in the shared part read the grad forward's outputs."""
     trainer, batch = make(branch_keep_prob=0.5, branch_sampling=sampling, **(PACKED if layout == "packed" else {}))
     assert trainer.forward_choice.packed == (layout == "packed")
     assert gradient_z(trainer, batch, GRADIENT_DRAWS) < 5.0  # 300 coordinates
@@ -150,7 +150,7 @@ def merged_gradient(trainer, batches):
 
 def test_merged_branch_gradient_is_unbiased(make):
     """Branch pruning in a merged pass: two micro-batches' grad rows in one forward, their frozen rows in one no-grad
-    forward reading each micro-batch's kept prompt keys from it (plan.concat_groups); the mean gradient is the exact
+    forward reading each micro-batch's kept prompt keys from it (packing.concat_groups); the mean gradient is the exact
     one's."""
     trainer, _ = make(branch_keep_prob=0.5, **PACKED)
     batches = [trainer._prepare_inputs(b) for b, _ in zip(trainer.get_train_dataloader(), range(2))]

@@ -30,7 +30,8 @@ from .method.noise import (  # noqa: F401
     MAX_STEP_INFLATION, MIN_GAIN, UPPER_Z, LossCurve, PairedSteps, ProbeLevels, Running, branch_idle, choose,
     extra_noise, head_share, log_trace, relative_step_cost, steps_factor, trace_and_norm2,
 )
-from .method.plan import HostBatch, WorkCounts
+from .method.packing import HostBatch
+from .method.plan import WorkCounts
 
 # Blocks between exact / half probes after the warm-up, and samples before a decision.
 PROBE_EVERY, MIN_SAMPLES = 16, 2

@@ -18,7 +18,8 @@ import torch
 from accelerate.utils import is_peft_model
 
 from .config import EXACT_SAVINGS, uses_pruned_forward
-from .method.plan import HostBatch, Layout, plan_group, row_trees
+from .method.packing import HostBatch, plan_group, row_trees
+from .method.plan import Layout
 from .pruned_forward import ForwardContext, run_group
 from .reference import NON_MODEL_KEYS
 from .safety.data_checks import VISION_ERROR, check_prunable

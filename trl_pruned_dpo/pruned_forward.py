@@ -19,7 +19,8 @@ import torch
 
 from .method.estimators import horvitz_thompson, scale_branch_gradient
 from .method.masks import PruneMasks
-from .method.plan import Layout, MicroStepPlan, PackedGroup, WorkCounts, concat_groups, split_grid
+from .method.packing import PackedGroup, concat_groups, split_grid
+from .method.plan import Layout, MicroStepPlan, WorkCounts
 from .reference import NON_MODEL_KEYS, REF_TOKEN_KEY
 from .seam import compact_lm_head, no_grad_block, reference_context
 from .seam.attention import PACKING_KWARG, Packing, SharedKeys, keep_until_backward, packed_forward
@@ -142,7 +143,7 @@ def run_group(model: torch.nn.Module, group: PackedGroup, wanted: tuple[str, ...
 
     Returns ({field: (rows, cols) tensor}, the model outputs): each grid cell holds the output of the position the plan
     routed to it, 0 (False) where none. `inputs`: the collated batch (a padded group takes its rows from it). `shared`:
-    branch pruning's keys passed from the grad group to the frozen one (plan.plan_split): the same object for both."""
+    branch pruning's keys passed from the grad group to the frozen one (packing.plan_split): the same object for both."""
     device = inputs["input_ids"].device
     to = dict(device=device, non_blocking=True)
     if group.rows is None:
@@ -241,7 +242,7 @@ def run_pass(context: ForwardContext, model: torch.nn.Module, batches: list[dict
              plans: list[MicroStepPlan]) -> list[MicroStepRecord]:
     """The pruned forward of a pass: one micro-step (unmerged) or several of one optimizer step (the merged step,
     docs/method.md), each with its own plan, run as ONE policy forward with grad (plus, pruning branches, one no-grad
-    forward of the frozen rows, which read their shared part's keys and values from it: plan.plan_split) and one
+    forward of the frozen rows, which read their shared part's keys and values from it: packing.plan_split) and one
     reference forward. Several micro-steps' groups are laid end to end (`concat_groups`) and each grid cut back out
     (`split_grid`); then each micro-step's reference estimate and policy estimates (Eqs. 1-3) are made under its own
     masks, so its record, and TRL's loss over its own batch, are what it would be alone. A padded micro-step or one

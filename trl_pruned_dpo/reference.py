@@ -1,6 +1,6 @@
 """The batch as the pruned forward needs it: a host copy of the token layout, and per-token reference log-probs.
 
-- `HostCopyCollator` attaches a CPU copy of the token layout (plan.HostBatch), so the plan never reads device tensors:
+- `HostCopyCollator` attaches a CPU copy of the token layout (packing.HostBatch), so the plan never reads device tensors:
   also for an `IterableDataset`, unless its batches are dispatched from process 0 (`batches_dispatched`), which carries
   device tensors only; then `host_batch` copies the layout once per micro-step, said once.
 - With `precompute_ref_log_probs=True` the masks need per-token reference log-probs, where TRL stores only their sums:
@@ -18,7 +18,7 @@ from datasets import Dataset, IterableDataset, concatenate_datasets
 from datasets.table import InMemoryTable
 from torch.utils.data import DataLoader
 
-from .method.plan import HostBatch
+from .method.packing import HostBatch
 
 # Dataset columns and batch key of the stored per-token reference log-probs (response positions, in order).
 REF_TOKEN_COLUMNS = ("ref_chosen_token_logps", "ref_rejected_token_logps")

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 _PROGRAM_STARTED = time.perf_counter()
 
 from ..errors import PROG, RUN_ERRORS, InputError, exit_code  # noqa: E402 - after the start time
-from ..safety.checkpoints import disk_full_as_error, give_default_modes  # noqa: E402
+from ..safety.checkpoints import disk_full_as_error  # noqa: E402
+from ..safety.disk_writes import give_default_modes  # noqa: E402
 from ..safety.output_dir import is_main_process, output_lock, preflight  # noqa: E402
 from ..safety.signals import launcher_stop_code, remember_command, stop_on_signals  # noqa: E402
 from .data import apply_thread_count, check_splits, go_offline, hub_unreachable, is_hub_id, load_data  # noqa: E402

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..errors import PROG, InputError
-from ..safety.checkpoints import give_default_modes
+from ..safety.disk_writes import give_default_modes
 from .data import apply_thread_count, check_splits, go_offline, load_data, resolve_model
 
 if TYPE_CHECKING:

@@ -118,7 +118,7 @@ def draw_branches(num_pairs: int, keep_prob: float | torch.Tensor, sampling: str
 
 def identical_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(rows,) long: for each row, the first row of the batch holding the same real tokens (itself if none). Such rows
-    (one response in several pairs of a prompt group) run once (plan.py), so they are backpropagated together."""
+    (one response in several pairs of a prompt group) run once (packing.py), so they are backpropagated together."""
     rows, width = input_ids.shape
     offset = attention_mask.long().argmax(dim=1) if attention_mask is not None else input_ids.new_zeros(rows)
     real = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)

@@ -27,7 +27,7 @@ class Forest:
     searchsorted records keyed sequence * _WIDE + start. `key_owner`, `key_nodes`: records node by node (`key_owner`
     ascending) of the nodes whose tokens are its keys (its ancestors, root first, then itself): positions 0 .. end - 1
     of its rows; `distinct`: (rows,) the record owner of each row (its distinct sequence; -1 for rows not running).
-    A group may run some nodes only (branch pruning, plan.py): it lays them out in this order."""
+    A group may run some nodes only (branch pruning, packing.py): it lays them out in this order."""
 
     start: torch.Tensor
     end: torch.Tensor

@@ -10,7 +10,7 @@
   every pair, training would fail later with an unrelated error, so it is refused here.
 - Prompts cut differently: with `truncation_mode="keep_end"` the collator cuts each row from its start, so a pair
   whose two responses differ in length loses different prompt tokens in its two rows. `share_prompt` shares only the
-  leading tokens the two rows really hold in common (method/plan.py `common_tokens`), so such a pair stays exact but
+  leading tokens the two rows really hold in common (method/packing.py `common_tokens`), so such a pair stays exact but
   runs its prompt twice: counted in one warning.
 
 Run only when the pruned forward is used (with every pruning off the plugin is stock, which says nothing), once, on
