@@ -52,14 +52,6 @@ def group_passes(tokens: list[int], budget: int) -> list[int]:
     return sizes
 
 
-def shared_is_cheaper(shared, frozen_tail, grad_cost: float):
-    """A tree (a pair, a prompt group) with backpropagated and frozen rows: whole in the grad forward, grad_cost *
-    (shared + grad tails + frozen tails), or split, grad_cost * (shared + grad tails) + 1 * (shared + frozen tails)
-    (docs/method.md, "Branch pruning and sharing")? Whole wins iff (grad_cost - 1) * frozen_tails < shared. `shared`:
-    the tokens both halves would run. Ints or per-tree tensors."""
-    return (grad_cost - 1) * frozen_tail < shared
-
-
 def plan_policy(host: HostBatch, masks: PruneMasks, *, frozen_group: bool, share: bool, packed: bool) -> ForwardPlan:
     """The policy forwards; `frozen_group`: branch pruning is on (structural, the same on every process): the
     backpropagated rows run with grad, the others under no_grad. Packed, the two are one forest's nodes
