@@ -451,13 +451,13 @@ def profile_steps(runner, device: str, steps: int) -> dict:
 # ------------------------------------------------------------------------------------------------------ rows
 @contextmanager
 def recording_kernels():
-    """Counts, for each packed attention call, the kernel the plugin chose (`seam.attention._choose`: the kernel, or
+    """Counts, for each packed attention call, the kernel the plugin chose (`seam.kernels._choose`: the kernel, or
     None for SDPA per segment, and why; named here with the query's dtype). The counter wraps the chooser for the
     duration only; a test pins the name."""
-    from trl_pruned_dpo.seam import attention
+    from trl_pruned_dpo.seam import kernels
 
     counts: collections.Counter = collections.Counter()
-    choose = getattr(attention, "_choose", None)
+    choose = getattr(kernels, "_choose", None)
     if choose is None:  # the chooser renamed: `logged_kernel` (the plugin's own name) is then the record
         counts["kernel chooser not found"] = 0
         yield counts
@@ -470,11 +470,11 @@ def recording_kernels():
         counts[f"{name} {str(q.dtype).replace('torch.', '')}"] += 1
         return chosen
 
-    attention._choose = counting
+    kernels._choose = counting
     try:
         yield counts
     finally:
-        attention._choose = choose
+        kernels._choose = choose
 
 
 def logged_kernel(trainer) -> str | None:
@@ -1047,10 +1047,10 @@ def main(argv=None):
                                     pruning=ROWS[planned.kind][1], exact=ROWS[planned.kind][2], status="skipped",
                                     error=stopped or "not reached"))
         print("\n" + format_table(results, args.dry_run) + "\n\n" + LEGEND)
-        from trl_pruned_dpo.seam import attention  # which varlen kernel the packed rows ran, or were refused
+        from trl_pruned_dpo.seam import kernels  # which varlen kernel the packed rows ran, or were refused
 
         verdicts = {f"{k[0].__name__.strip('_')} {k[2]} heads {k[3]}/{k[4]} dim {k[5]} {k[6]}":
-                    "used" if ok else "REFUSED" for k, ok in attention._VERIFIED.items()}
+                    "used" if ok else "REFUSED" for k, ok in kernels._VERIFIED.items()}
         print("varlen kernels:", verdicts or "none checked (the packed rows ran SDPA per segment)")
         meta["varlen_kernels"] = verdicts
         meta["rows"] = dict(collections.Counter(r["status"] for r in results))

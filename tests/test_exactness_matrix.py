@@ -22,7 +22,7 @@ from test_packed import assert_exact, naive_varlen, windowed_varlen
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo import forward_choice
-from trl_pruned_dpo.seam import attention
+from trl_pruned_dpo.seam import attention, kernels
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, head_dim=8)
@@ -252,33 +252,33 @@ def _ignoring_window(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, e
 
 
 def test_a_kernel_wrong_on_windows_is_refused_for_windows_only(monkeypatch):
-    monkeypatch.setattr(attention, "varlen_attn", _ignoring_window)
-    monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
-    monkeypatch.setattr(attention, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "varlen_attn", _ignoring_window)
+    monkeypatch.setattr(kernels, "_on_kernel", lambda q: True)
+    monkeypatch.setattr(kernels, "_VERIFIED", {})
     q, k = torch.randn(6, 4, 8), torch.randn(9, 2, 8)
-    assert attention._kernel(q, k, "sdpa") is attention._torch_varlen  # full causal: agrees
+    assert kernels._kernel(q, k, "sdpa") is kernels._torch_varlen  # full causal: agrees
     with pytest.warns(UserWarning, match=r"torch_varlen disagrees with SDPA .*window=8.*SDPA per segment there"):
-        assert attention._kernel(q, k, "sdpa", attention.Variant(window=8)) is None
-    assert attention._kernel(q, k, "sdpa", attention.Variant(window=8)) is None  # decided once: no second warning
-    assert attention._kernel(q, k, "sdpa") is attention._torch_varlen  # still used where it is right
-    assert attention._kernel(torch.randn(6, 4, 8), torch.randn(9, 4, 8), "sdpa") is attention._torch_varlen  # no GQA
-    assert sorted(str(key[-1]) for key in attention._VERIFIED) == sorted(
-        [str(attention.FULL), str(attention.FULL), str(attention.Variant(window=8))])
+        assert kernels._kernel(q, k, "sdpa", kernels.Variant(window=8)) is None
+    assert kernels._kernel(q, k, "sdpa", kernels.Variant(window=8)) is None  # decided once: no second warning
+    assert kernels._kernel(q, k, "sdpa") is kernels._torch_varlen  # still used where it is right
+    assert kernels._kernel(torch.randn(6, 4, 8), torch.randn(9, 4, 8), "sdpa") is kernels._torch_varlen  # no GQA
+    assert sorted(str(key[-1]) for key in kernels._VERIFIED) == sorted(
+        [str(kernels.FULL), str(kernels.FULL), str(kernels.Variant(window=8))])
     # soft-capping and sinks: torch's varlen_attn cannot take them, so they never reach it (no check, per segment)
-    assert attention._kernel(q, k, "sdpa", attention.Variant(softcap=50.0)) is None
-    assert attention._kernel(q, k, "sdpa", attention.Variant(sinks=True)) is None
-    assert len(attention._VERIFIED) == 3
+    assert kernels._kernel(q, k, "sdpa", kernels.Variant(softcap=50.0)) is None
+    assert kernels._kernel(q, k, "sdpa", kernels.Variant(sinks=True)) is None
+    assert len(kernels._VERIFIED) == 3
 
 
 def test_the_window_reaches_the_kernel_in_position_space(monkeypatch):
     """The check passes the window as (window - 1, 0) on a kernel that honours it: each query sees its last `window`
     positions of its own branch, shared keys included."""
-    monkeypatch.setattr(attention, "varlen_attn", windowed_varlen)
+    monkeypatch.setattr(kernels, "varlen_attn", windowed_varlen)
     cpu = torch.device("cpu")
     for window in (1, 3, 16, 200):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert attention._verify(attention._torch_varlen, 4, 2, 8, cpu, torch.float32, attention.Variant(window))
+            assert kernels._verify(kernels._torch_varlen, 4, 2, 8, cpu, torch.float32, kernels.Variant(window))
 
 
 def test_flash_attn_wrong_on_softcap_is_refused_for_softcap_only(monkeypatch):
@@ -299,15 +299,15 @@ def test_flash_attn_wrong_on_softcap_is_refused_for_softcap_only(monkeypatch):
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_varlen_func = flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    monkeypatch.setattr(attention, "FLASH_ATTN_INSTALLED", True)
-    monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
-    monkeypatch.setattr(attention, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "FLASH_ATTN_INSTALLED", True)
+    monkeypatch.setattr(kernels, "_on_kernel", lambda q: True)
+    monkeypatch.setattr(kernels, "_VERIFIED", {})
     q, k = torch.randn(6, 4, 8), torch.randn(9, 2, 8)
-    flash = attention._flash_attn_varlen
-    assert attention._kernel(q, k, "flash_attention_2", attention.Variant(window=5)) is flash
+    flash = kernels._flash_attn_varlen
+    assert kernels._kernel(q, k, "flash_attention_2", kernels.Variant(window=5)) is flash
     with pytest.warns(UserWarning, match=r"flash_attn_varlen disagrees .*softcap=5.0"):
-        assert attention._kernel(q, k, "flash_attention_2", attention.Variant(softcap=5.0)) is None
-    assert attention._kernel(q, k, "flash_attention_2") is flash
+        assert kernels._kernel(q, k, "flash_attention_2", kernels.Variant(softcap=5.0)) is None
+    assert kernels._kernel(q, k, "flash_attention_2") is flash
     assert ((4, 0), 0.0) in seen and ((-1, -1), 5.0) in seen  # window (left = window - 1) and the cap, as asked
 
 
@@ -319,7 +319,7 @@ def test_an_unknown_family_whose_packed_forward_fails_falls_back_in_one_line(tok
     def dropped(*args, **kwargs):
         raise RuntimeError("Qwen3Attention did not pass the packed metadata to its attention")
 
-    monkeypatch.setattr(attention, "_per_segment", dropped)
+    monkeypatch.setattr(kernels, "_per_segment", dropped)
     stock, pruned = trainers(tiny_family("qwen3", tokenizer), tokenizer, tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -167,7 +167,7 @@ def test_compile_rows_take_the_best_exact_row():
 
 
 def test_the_kernel_counter_sees_every_packed_attention_call(tokenizer, tmp_path):
-    """`recording_kernels` wraps the plugin's kernel chooser (`seam.attention._choose`, a private it pins here): one
+    """`recording_kernels` wraps the plugin's kernel chooser (`seam.kernels._choose`, a private it pins here): one
     count per packed attention call, named by kernel and query dtype; the plugin's own name agrees."""
     from datasets import Dataset
 

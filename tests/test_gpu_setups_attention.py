@@ -30,7 +30,7 @@ from conftest import build_trainer, first_batch, loss_and_grads
 from test_packed import ONLY, assert_exact, edge_rows, family, naive_varlen, pair_of_trainers, _host
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.packing import pair_trees, plan_group
-from trl_pruned_dpo.seam import attention
+from trl_pruned_dpo.seam import attention, kernels
 
 HUB = "kernels-community/flash-attn"
 FLASH_NAMES = ("flash_attention_2", HUB)
@@ -212,9 +212,9 @@ def kernel_device(monkeypatch):
         dtypes.append(q.dtype)
         return naive_varlen(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "varlen_attn", varlen)
-    monkeypatch.setattr(attention, "_on_kernel_device", lambda q: True)
-    monkeypatch.setattr(attention, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "varlen_attn", varlen)
+    monkeypatch.setattr(kernels, "_on_kernel_device", lambda q: True)
+    monkeypatch.setattr(kernels, "_VERIFIED", {})
     monkeypatch.setattr(attention, "_used", {})
     return dtypes
 
@@ -233,7 +233,7 @@ def test_float32_queries_reach_the_kernel_cast_as_transformers_flash_path_casts(
     assert out.dtype == torch.float32 and set(kernel_device) == {dtype}
     half = [x[0].transpose(0, 1).to(dtype) for x in (q, k, v)]
     half[1:] = [x.index_select(0, packing.kv_index) for x in half[1:]]
-    expected = attention._per_segment(*half, packing, 0.3).float()
+    expected = kernels._per_segment(*half, packing, 0.3).float()
     torch.testing.assert_close(out[0], expected, rtol=2e-2, atol=2e-2)
     assert attention._kernel_line(layer.config, attention._used[id(layer.config)][1]).count("queries cast to") == 1
 
@@ -268,9 +268,9 @@ def test_the_first_packed_forward_names_the_kernel(tokenizer, tmp_path, monkeypa
     assert said == ["Packed attention of llama (loaded with sdpa): SDPA per segment (on cpu: the varlen kernels run "
                     "on CUDA only)."] * 2  # the policy's and the reference's
     assert trainer.forward_choice.kernel == "SDPA per segment"
-    monkeypatch.setattr(attention, "varlen_attn", naive_varlen)
-    monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
-    monkeypatch.setattr(attention, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "varlen_attn", naive_varlen)
+    monkeypatch.setattr(kernels, "_on_kernel", lambda q: True)
+    monkeypatch.setattr(kernels, "_VERIFIED", {})
     other = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(edge_rows()),
                           tmp_path / "kernel", per_device_train_batch_size=4)
     loss_and_grads(other, first_batch(other, 4))
@@ -325,11 +325,11 @@ def test_packing_follows_the_layers_device(path, monkeypatch):
             seen.append({t.device.type for t in (q, k, v, cu_q, cu_k)})
             return torch.empty_like(q)
 
-        monkeypatch.setattr(attention, "varlen_attn", varlen)
-        monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
+        monkeypatch.setattr(kernels, "varlen_attn", varlen)
+        monkeypatch.setattr(kernels, "_on_kernel", lambda q: True)
         # the kernel's check cannot run on meta (it reads values): taken as passed
-        monkeypatch.setattr(attention, "_verify", lambda *args, **kwargs: True)
-        monkeypatch.setattr(attention, "_VERIFIED", {})
+        monkeypatch.setattr(kernels, "_verify", lambda *args, **kwargs: True)
+        monkeypatch.setattr(kernels, "_VERIFIED", {})
     q, k, v, packing = _packed_inputs()
     shared = attention.SharedKeys().open(torch.arange(3))
     packing.keeps = shared
@@ -377,11 +377,11 @@ def test_unequal_key_and_value_head_sizes_run_the_kernel_padded(kernel_device):
     assert out.shape == (1, q.size(2), 4, 8) and kernel_device
     gathered = [x[0].transpose(0, 1) for x in (q, k, v)]
     gathered[1:] = [x.index_select(0, packing.kv_index) for x in gathered[1:]]
-    torch.testing.assert_close(out[0].float(), attention._per_segment(*gathered, packing, 0.3), rtol=3e-2, atol=3e-2)
-    assert [key[5] for key in attention._VERIFIED] == [(12, 8)] and all(attention._VERIFIED.values())
+    torch.testing.assert_close(out[0].float(), kernels._per_segment(*gathered, packing, 0.3), rtol=3e-2, atol=3e-2)
+    assert [key[5] for key in kernels._VERIFIED] == [(12, 8)] and all(kernels._VERIFIED.values())
     attention.packed_attention(layer, *(x.to(torch.bfloat16) for x in _packed_inputs(dim=12)[:3]),
                                attention.PackedMask(None, packing), scaling=0.3)
-    assert sorted(key[5] for key in attention._VERIFIED) == [(12, 8), (12, 12)]  # checked per value size
+    assert sorted(key[5] for key in kernels._VERIFIED) == [(12, 8), (12, 12)]  # checked per value size
 
 
 # ------------------------------------------------------------------------- item 6: transformers' packing detection
@@ -462,9 +462,9 @@ def test_latent_attention_heads_train_exact_through_the_kernel(tokenizer, tmp_pa
         calls.append(q.size(-1))
         return naive_varlen(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "varlen_attn", varlen)
-    monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
-    monkeypatch.setattr(attention, "_VERIFIED", {})
+    monkeypatch.setattr(kernels, "varlen_attn", varlen)
+    monkeypatch.setattr(kernels, "_on_kernel", lambda q: True)
+    monkeypatch.setattr(kernels, "_VERIFIED", {})
     stock, pruned = pair_of_trainers(lambda tok: tiny_family("deepseek_v3", tok, v_head_dim=4), tokenizer, tmp_path,
                                      **ONLY["share_prompt"])
     assert_exact(stock, pruned)

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_pruned_dpo import seam
-from trl_pruned_dpo.seam import attention
+from trl_pruned_dpo.seam import kernels
 
 
 def _saved_bytes(fn, shapes: list | None = None) -> int:
@@ -41,14 +41,14 @@ def test_packed_attention_keeps_tokens_not_scores_for_backward():
     q_lens, k_lens = [192, 64, 1], [448, 64, 9]
     host_q = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     host_k = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
-    packing = attention.Packing(torch.tensor(host_q, dtype=torch.int32), torch.tensor(host_k, dtype=torch.int32),
+    packing = kernels.Packing(torch.tensor(host_q, dtype=torch.int32), torch.tensor(host_k, dtype=torch.int32),
                                 None, max(q_lens), max(k_lens), host_q, host_k)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(host_q[-1], heads, dim, generator=g, requires_grad=True)
     k, v = (torch.randn(host_k[-1], kv_heads, dim, generator=g, requires_grad=True) for _ in range(2))
 
     shapes = []
-    saved = _saved_bytes(lambda: attention._per_segment(q, k, v, packing, dim ** -0.5), shapes)
+    saved = _saved_bytes(lambda: kernels._per_segment(q, k, v, packing, dim ** -0.5), shapes)
     assert not [s for s in shapes if s[-2:] == (192, 448)], shapes  # no mask of the branch's queries x keys
 
     keys = host_k[-1]  # the query rows run: each segment's keys

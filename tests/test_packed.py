@@ -14,7 +14,7 @@ from trl import DPOConfig, DPOTrainer
 from conftest import build_trainer, first_batch, lora_trainer, loss_and_grads, tiny_model, train_and_compare_histories
 from test_share_prompt import edge_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
-from trl_pruned_dpo.seam import attention
+from trl_pruned_dpo.seam import attention, kernels
 from trl_pruned_dpo.method.packing import HostBatch, pair_trees, plan_group
 
 EAGER_ONLY = ("gemma2", "bloom", "mpt", "gpt_neo")  # no sdpa attention in transformers 5.24
@@ -115,8 +115,8 @@ def test_checkpointing_recomputes_packed(tokenizer, tmp_path, monkeypatch):
     packed attention again (with the user's backend it would attend across the whole packed row)."""
     stock, pruned = pair_of_trainers(family("llama"), tokenizer, tmp_path, **ONLY["padding_free"])
     pruned.model.gradient_checkpointing_enable(pruned.args.gradient_checkpointing_kwargs)
-    calls, original = [], attention._per_segment
-    monkeypatch.setattr(attention, "_per_segment", lambda *a, **k: (calls.append(torch.is_grad_enabled()),
+    calls, original = [], kernels._per_segment
+    monkeypatch.setattr(kernels, "_per_segment", lambda *a, **k: (calls.append(torch.is_grad_enabled()),
                                                                      original(*a, **k))[1])
     pruned.model.zero_grad(set_to_none=True)
     loss = pruned.compute_loss(pruned.model, first_batch(pruned, 8))
@@ -347,8 +347,8 @@ def test_packed_attention_equals_a_dense_mask(share, kernel, window, monkeypatch
             assert window_size == (-1 if window is None else window - 1, 0)
             return windowed_varlen(*args, window_size=window_size, **kwargs)
 
-        monkeypatch.setattr(attention, "varlen_attn", fake)
-        monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
+        monkeypatch.setattr(kernels, "varlen_attn", fake)
+        monkeypatch.setattr(kernels, "_on_kernel", lambda q: True)
     module = torch.nn.Module()
     out, _ = attention.packed_attention(module, q, k, v, attention.PackedMask(window, packing), scaling=0.5)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.5, enable_gqa=True)

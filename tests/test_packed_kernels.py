@@ -17,7 +17,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from test_packed import assert_exact, family, naive_varlen, pair_of_trainers
-from trl_pruned_dpo.seam import attention
+from trl_pruned_dpo.seam import attention, kernels
 
 
 def segment_kernel(visible):
@@ -50,9 +50,9 @@ def on_kernel(monkeypatch):
             calls.append(args[0].shape)
             return kernel(*args, **kwargs)
 
-        monkeypatch.setattr(attention, "varlen_attn", counted)
-        monkeypatch.setattr(attention, "_on_kernel", lambda q: True)
-        monkeypatch.setattr(attention, "_VERIFIED", {})
+        monkeypatch.setattr(kernels, "varlen_attn", counted)
+        monkeypatch.setattr(kernels, "_on_kernel", lambda q: True)
+        monkeypatch.setattr(kernels, "_VERIFIED", {})
         return calls
 
     return install
@@ -64,7 +64,7 @@ def test_a_kernel_that_agrees_is_used_and_training_is_exact(on_kernel, tokenizer
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*disagrees with SDPA")  # no refusal
         assert_exact(stock, pruned)
-    assert list(attention._VERIFIED.values()) == [True]
+    assert list(kernels._VERIFIED.values()) == [True]
     assert len(calls) > 1  # the check, then every layer's packed attention (policy and reference)
 
 
@@ -74,7 +74,7 @@ def test_a_kernel_that_disagrees_is_refused_once_and_training_stays_exact(on_ker
     with pytest.warns(UserWarning, match=r"torch_varlen disagrees with SDPA .*relative error .*SDPA per segment"):
         assert_exact(stock, pruned)
     assert len(calls) == 1  # the check's call only: the forwards ran per segment
-    assert list(attention._VERIFIED.values()) == [False]
+    assert list(kernels._VERIFIED.values()) == [False]
 
 
 def test_a_kernel_that_fails_is_refused(on_kernel):
@@ -84,8 +84,8 @@ def test_a_kernel_that_fails_is_refused(on_kernel):
     on_kernel(broken)
     q, k = torch.zeros(3, 4, 8), torch.zeros(5, 2, 8)
     with pytest.warns(UserWarning, match="RuntimeError: no kernel image"):
-        assert attention._kernel(q, k, "sdpa") is None
-    assert attention._kernel(q, k, "sdpa") is None  # decided once per shape: no second warning, no second try
+        assert kernels._kernel(q, k, "sdpa") is None
+    assert kernels._kernel(q, k, "sdpa") is None  # decided once per shape: no second warning, no second try
 
 
 def test_the_check_tells_lower_right_from_top_left_and_noncausal():
@@ -96,10 +96,10 @@ def test_the_check_tells_lower_right_from_top_left_and_noncausal():
                                                          enable_gqa=q.size(1) != k.size(1))
 
     cpu = torch.device("cpu")
-    assert attention._verify(adapter(naive_varlen), 4, 2, 8, cpu, torch.float32)
+    assert kernels._verify(adapter(naive_varlen), 4, 2, 8, cpu, torch.float32)
     for wrong in (top_left_varlen, noncausal_varlen):
         with pytest.warns(UserWarning, match="disagrees with SDPA"):
-            assert not attention._verify(adapter(wrong), 4, 2, 8, cpu, torch.float32)
+            assert not kernels._verify(adapter(wrong), 4, 2, 8, cpu, torch.float32)
 
 
 def test_flash_attn_is_preferred_where_the_user_loaded_it(on_kernel, monkeypatch, tokenizer, tmp_path):
@@ -118,10 +118,10 @@ def test_flash_attn_is_preferred_where_the_user_loaded_it(on_kernel, monkeypatch
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_varlen_func = flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    monkeypatch.setattr(attention, "FLASH_ATTN_INSTALLED", True)
+    monkeypatch.setattr(kernels, "FLASH_ATTN_INSTALLED", True)
     q, k = torch.randn(6, 4, 8), torch.randn(9, 2, 8)
-    assert attention._kernel(q, k, "flash_attention_2") is attention._flash_attn_varlen
-    assert attention._kernel(q, k, "sdpa") is attention._torch_varlen  # the user's backend decides
+    assert kernels._kernel(q, k, "flash_attention_2") is kernels._flash_attn_varlen
+    assert kernels._kernel(q, k, "sdpa") is kernels._torch_varlen  # the user's backend decides
     assert seen and torch_calls  # each was checked before use
 
 

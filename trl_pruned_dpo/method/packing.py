@@ -10,7 +10,7 @@ Pure, vectorised functions of CPU tensors and Python ints (no model, no trainer 
 - padded (the fallback for models a packed row cannot express exactly): the batch's rows that run, trimmed.
 Branch pruning, packed: the backpropagated rows' forward (with grad) and the others' (no_grad) run the nodes of one
 forest, so a frozen row runs only what no backpropagated row runs; its shared part (prompt, common response start) it
-reads as the grad forward's keys and values (`plan_split`; attention.SharedKeys).
+reads as the grad forward's keys and values (`plan_split`; kernels.SharedKeys).
 Labels are pre-shifted (`shift_labels`): a position carries the token it predicts where some grid cell scores it, so a
 row's last token never runs. Grid column c (TRL's shifted coordinates, masks.py) is the output of input position c.
 The merged step lays several micro-batches' packed groups end to end (`concat_groups`) and cuts each one's grid back
@@ -44,7 +44,7 @@ class HostBatch:
 class PackedGroup:
     """One forward. shift_labels: (1, tokens) packed, (len(rows), width) padded; source: (rows, cols), the flat index
     of the output scoring each grid cell (-1: none); tokens executed, positions scored. Packed: input_ids, position_ids
-    (1, tokens) and attention.Packing's metadata (host). Padded: the batch rows run, on columns 0..width-1."""
+    (1, tokens) and kernels.Packing's metadata (host). Padded: the batch rows run, on columns 0..width-1."""
 
     shift_labels: torch.Tensor
     source: torch.Tensor
@@ -237,7 +237,7 @@ def plan_split(host: HostBatch, scored: torch.Tensor, backprop: torch.Tensor,
     grad group is the backpropagated rows' own forest), every other node in the frozen group (no_grad). A frozen
     node's keys are its ancestors' tokens then its own: ancestors of the grad group (the prompt, a response start
     shared with a backpropagated row) are read from the grad forward's keys and values, kept detached for the tokens
-    the frozen group reads (`keeps`, attention.SharedKeys), never run again. The two groups run each node once: the
+    the frozen group reads (`keeps`, kernels.SharedKeys), never run again. The two groups run each node once: the
     tokens of the unpruned forward, whatever the draw. A scored cell of a frozen row in a grad node reads the grad
     group's output: its gradient is scaled by z = 0 (Eq. 3), as when a frozen row ran in the grad forward.
     When one group has no node, the other runs every row and the empty one its two tokens (`_plan_group`)."""
