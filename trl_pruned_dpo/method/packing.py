@@ -2,7 +2,8 @@
 and which output scores each grid cell (`PackedGroup`). The micro-step's plan built from these groups is plan.py.
 
 Pure, vectorised functions of CPU tensors and Python ints (no model, no trainer state), so the executor
-(pruned_forward.py) runs the plan without a host-device sync. One planner, two layouts of the same groups (docs/method.md, "Packed layout"):
+(pruned_forward.py) runs the plan without a host-device sync. One planner, two layouts of the same groups
+(docs/method.md, "Packed layout"):
 - packed (`padding_free`, `share_prompt`): one row of segments from each row's real tokens, no padding. A row alone is
   one segment; a shared pair is [shared: positions 0..s-2 | chosen: s-1.. | rejected: s-1..] (s common leading tokens;
   position s-1 predicts a different token in each branch), each branch keyed on the shared part and itself. The

@@ -1,10 +1,10 @@
 """The packed attention's kernels and the metadata they run over (seam/attention.py calls them; this module imports
 nothing of it).
 
-A packed group (method/packing.py) is one row of segments: a segment's queries are its tokens, its keys (`kv_index`) its pair's
-shared part then itself, causal aligned lower-right; `Packing` is its metadata on the device, carrying branch pruning's
-`SharedKeys` (packing.plan_split: the grad forward keeps, detached, the keys and values, after rotary and QK-norm, of the
-tokens its frozen group reads; the frozen forward puts them before its own keys, so a dropped branch never runs its
+A packed group (method/packing.py) is one row of segments: a segment's queries are its tokens, its keys
+(`kv_index`) its pair's shared part then itself, causal aligned lower-right; `Packing` is its metadata on the device,
+carrying branch pruning's `SharedKeys` (packing.plan_split: the grad forward keeps, detached, the keys and values,
+after rotary and QK-norm, of the tokens its frozen group reads; the frozen forward puts them before its own keys, so a dropped branch never runs its
 prompt again). CUDA bf16/fp16: a varlen kernel (flash_attn's where the user loaded `flash_attention_2` and it is
 installed, else `torch.nn.attention.varlen.varlen_attn`, also for FA3, hub-kernel and flex users; GQA without
 repeating K/V; values narrower than keys padded), each used once a check on random segments finds it agrees with SDPA
