@@ -428,3 +428,40 @@ def test_gpu_check_dry_run(tmp_path):
         counts = gpu_check.count_events(events, 2)
         assert counts["launches"] == 1.5 and counts["syncs"] == 1.0 and counts["dtoh_copies"] == 0.5, counts
         assert counts["gpu_busy_s"] == pytest.approx(20e-6) and counts["gpu_kernel_sum_s"] == pytest.approx(25e-6)
+
+
+def test_collectives_are_counted_by_kind_origin_and_bytes(monkeypatch, tmp_path):
+    """benchmarks/collectives.py's counting, on a one-process gloo group (its two-process launch is run by hand: about
+    a minute): each torch.distributed collective counted by kind with the bytes of its first tensor argument,
+    positional or keyword (DeepSpeed's `output_tensor=`), as "trainer" inside accelerate's gather/reduce and "engine"
+    elsewhere."""
+    import collections
+
+    import torch
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from benchmarks.collectives import count_collectives
+
+    # count_collectives wraps these in place: each restored after the test
+    for name in ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "reduce_scatter_tensor",
+                 "all_gather_object", "all_gather_single", "reduce_scatter_single", "reduce_scatter",
+                 "_all_gather_base", "_reduce_scatter_base"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, getattr(dist, name))
+    # a stand-in for accelerate's gather: one all-reduce, so its collective's origin is "trainer"
+    monkeypatch.setattr(Accelerator, "gather", lambda self, t: (dist.all_reduce(t), t)[1])
+    monkeypatch.setattr(Accelerator, "reduce", Accelerator.reduce)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        counts = collections.defaultdict(lambda: [0, 0])
+        count_collectives(counts)
+        values = torch.ones(10)  # 40 bytes
+        dist.all_reduce(values)
+        dist.all_gather_into_tensor(output_tensor=torch.empty(10), input_tensor=values)
+        dist.broadcast(torch.ones(3, dtype=torch.float64), src=0)
+        Accelerator.gather(None, torch.ones(4))
+    finally:
+        dist.destroy_process_group()
+    assert dict(counts) == {("all_reduce", "engine"): [1, 40], ("all_gather", "engine"): [1, 40],
+                            ("broadcast", "engine"): [1, 24], ("all_reduce", "trainer"): [1, 16]}
