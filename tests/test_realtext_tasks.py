@@ -37,3 +37,26 @@ def test_python_docstrings_is_a_builtin_held_out_by_module():
         near += bool(set(chosen.split(". ")) & set(rejected.split(". ")))  # a sentence in common: a near-copy
     # Near-copies need a docstring of two sentences or more: about a quarter of the pairs (the rest independent).
     assert 0.15 < near / len(splits["test"]) < 0.5, near
+
+
+def test_the_docstrings_task_is_the_same_whatever_this_process_patched(monkeypatch):
+    """The standard library's docstrings are read in a fresh interpreter: a function patched in this process (as a
+    test, or torch's `inspect.getfile`, does) is still read as its module's own. Failed before: the first read cached
+    whatever was patched at that moment, and a patched `shlex.split` dropped its topic from every later split of the
+    run (the study harness then refused its own calibration: "measured on other data")."""
+    import shlex
+    import subprocess
+
+    from trl_pruned_dpo.demo import realtext
+
+    docstrings.cache_clear()
+    clean = docstrings()
+    monkeypatch.setattr(shlex, "split", lambda text: text.split())
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: (_ for _ in ()).throw(AssertionError("mocked")))
+    docstrings.cache_clear()
+    try:
+        assert docstrings() == clean
+    finally:
+        docstrings.cache_clear()
+    names = {name for _, topics in clean for name, _ in topics}
+    assert "shlex.split" in names and not names & set(realtext.NOT_READ)

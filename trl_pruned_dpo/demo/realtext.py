@@ -23,6 +23,8 @@ the seed for a given Python version (the text is that version's documentation).
 import random
 import re
 from functools import lru_cache
+# Bound at import: a later patch of `subprocess.run` (tests mock it for the model builds) does not reach the reader.
+from subprocess import run as _run_process
 
 from datasets import Dataset, DatasetDict
 
@@ -165,6 +167,9 @@ DOCSTRING_MODULES = (
     "threading", "time", "timeit", "tokenize", "traceback", "types", "typing", "unicodedata", "urllib.parse",
     "urllib.request", "uuid", "warnings", "weakref", "webbrowser", "xml.etree.ElementTree", "zipfile", "zlib",
 )
+# Left out: torch replaces `inspect.getfile` in every process that imports it (torch.package), so a training process
+# never read it; out, the task is the one every run has trained and been measured on.
+NOT_READ = ("inspect.getfile",)
 # The share of the modules held out.
 DOCSTRING_HELD_OUT_SHARE = 0.2
 
@@ -175,28 +180,46 @@ def _docstring_sentences(doc: str) -> tuple[str, ...]:
     return tuple(s for p in _paragraphs(lines) for s in _sentences(p) if s[0].isupper())
 
 
+# Run in a fresh interpreter (`-I`): the standard library's public functions and classes of each module, with their
+# docstrings. In this process a patched function (a test's monkeypatched `subprocess.run`, `logging.captureWarnings`)
+# is not the module's own, and would silently drop a topic and change every split after it.
+_READ_DOCSTRINGS = """
+import importlib, inspect, json, sys
+found = []
+for name in json.load(sys.stdin):
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        continue
+    documented = []
+    for attribute in sorted(a for a in dir(module) if not a.startswith("_")):
+        obj = getattr(module, attribute)
+        kind = inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)
+        own = getattr(obj, "__module__", None) in (name, module.__name__)
+        if kind and own and f"{name}.{attribute}" not in sys.argv[1:]:
+            documented.append((attribute, inspect.getdoc(obj) or ""))
+    found.append((name, documented))
+json.dump(found, sys.stdout)
+"""
+
+
 @lru_cache(maxsize=1)
 def docstrings() -> tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...]:
     """(module, ((dotted name, sentences of its docstring's prose), ...)) for each module of DOCSTRING_MODULES with
     at least two documented public functions or classes defined in it; a text documented under several names keeps
-    its first."""
-    import importlib
-    import inspect
+    its first. Read from a fresh interpreter of this Python, so the same whatever this process imported or patched."""
+    import json
+    import sys
 
+    read = _run_process([sys.executable, "-I", "-c", _READ_DOCSTRINGS, *NOT_READ],
+                          input=json.dumps(DOCSTRING_MODULES), capture_output=True, text=True)
+    if read.returncode != 0:
+        raise RuntimeError(f"reading the standard library's docstrings failed: {read.stderr.strip()[-500:]}")
     found, seen = [], set()
-    for name in DOCSTRING_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
+    for name, documented in json.loads(read.stdout):
         topics = []
-        for attribute in sorted(a for a in dir(module) if not a.startswith("_")):
-            obj = getattr(module, attribute)
-            if not (inspect.isfunction(obj) or inspect.isbuiltin(obj) or inspect.isclass(obj)):
-                continue
-            if getattr(obj, "__module__", None) not in (name, module.__name__):
-                continue
-            sentences = _docstring_sentences(inspect.getdoc(obj) or "")
+        for attribute, doc in documented:
+            sentences = _docstring_sentences(doc)
             if sentences and sentences[0] not in seen:
                 seen.add(sentences[0])
                 topics.append((f"{name}.{attribute}", sentences))
