@@ -14,6 +14,7 @@ from trl_pruned_dpo.method import noise
 from trl_pruned_dpo.method.masks import draw_branches, draw_masks, draw_positions
 
 from conftest import build_trainer, preference_rows, tiny_model
+from tiny import with_cpu_loss_scaler
 
 
 def _batch(pairs=6, cols=14, seed=0):
@@ -247,23 +248,16 @@ def test_one_process_reads_the_unclipped_gradients(tokenizer, far_dataset, tmp_p
     trainer = _train(tokenizer, far_dataset, tmp_path, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                      max_steps=8, max_grad_norm=1e-4)
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    raw, sent, probs = {}, {}, trainer.auto_keep_probs
+    raw, probs = {}, trainer.auto_keep_probs
     def keep(i, grad):  # a parameter's gradient may arrive in pieces: summed, as `.grad` sums them
         parts = raw.setdefault(trainer.state.global_step, {})
         parts[i] = grad.flatten().double() + parts.get(i, 0.0)
 
     for i, p in enumerate(params):  # the raw gradient of each step, in parameter order
         p.register_hook(lambda g, i=i: keep(i, g))
-    fold = probs._fold
-
-    def recording():
-        if probs._pending is not None:
-            sent[probs._pending[0]] = probs._pending[1].tolist()
-        fold()
-
-    probs._fold = recording
+    sent, _, flush = _recording_folds(probs)
     trainer.train()
-    recording()
+    flush()
     grads = {step: torch.cat([parts[i] for i in range(len(params))]) for step, parts in raw.items()}
     checked = 0
     for step, (small2, _, _, diff2, _) in sent.items():
@@ -274,6 +268,25 @@ def test_one_process_reads_the_unclipped_gradients(tokenizer, far_dataset, tmp_p
             assert diff2 == pytest.approx(float(delta @ delta), rel=1e-3), step
             checked += 1
     assert checked >= 5 and min(v[0] for v in sent.values()) > 1e4 * 1e-4 ** 2  # every step clipped, hard
+
+
+def _recording_folds(probs):
+    """Wrap `probs._fold` to keep, by step, what each step sent to the estimate (`end_step`'s five reduced scalars),
+    and the steps that added a sample of tr Σ. Returns (sent, sampled, flush): flush folds the last step's after
+    training."""
+    sent, sampled, fold = {}, set(), probs._fold
+
+    def recording():
+        step = probs._pending[0] if probs._pending is not None else None
+        if step is not None:
+            sent[step] = probs._pending[1].tolist()
+        before = probs.stats.sums.get("trace_exact")
+        fold()
+        if probs.stats.sums.get("trace_exact") != before:
+            sampled.add(step)
+
+    probs._fold = recording
+    return sent, sampled, recording
 
 
 def _peak_bytes(trainer) -> int:
@@ -577,26 +590,11 @@ def _scaled_auto_run(tokenizer, dataset, tmp_path, init_scale, overflow_steps=()
     tests/test_gpu_setups_safety.py), its scale held (no growth); the gradient overflows at `overflow_steps`. Returns
     the trainer, what each step sent to the estimate (`end_step`'s five reduced scalars, by step) and the steps that
     added a sample of tr Σ."""
-    trainer = _train(tokenizer, dataset, tmp_path, fp16=True, **case)
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=10**6)
-    trainer.accelerator.native_amp = True
-    weight = trainer.model.get_input_embeddings().weight
-    weight.register_hook(lambda grad: grad * math.inf if trainer.state.global_step in overflow_steps else grad)
-    probs, sent, sampled = trainer.auto_keep_probs, {}, set()
-    fold = probs._fold
-
-    def recording():
-        step = probs._pending[0] if probs._pending is not None else None
-        if step is not None:
-            sent[step] = probs._pending[1].tolist()
-        before = probs.stats.sums.get("trace_exact")
-        fold()
-        if probs.stats.sums.get("trace_exact") != before:
-            sampled.add(step)
-
-    probs._fold = recording
+    trainer = with_cpu_loss_scaler(_train(tokenizer, dataset, tmp_path, fp16=True, **case), init_scale,
+                                   overflow_steps, growth_interval=10**6)
+    sent, sampled, flush = _recording_folds(trainer.auto_keep_probs)
     trainer.train()
-    recording()
+    flush()
     return trainer, sent, sampled
 
 

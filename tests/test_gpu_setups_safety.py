@@ -23,7 +23,7 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from tiny import build_trainer, preference_rows
+from tiny import build_trainer, preference_rows, with_cpu_loss_scaler
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.errors import TrainingDiverged
 from trl_pruned_dpo.safety import guards
@@ -138,12 +138,7 @@ def fp16_scaled_trainer(tokenizer, tmp_path, overflow_steps, init_scale=2.0**4, 
     on a GPU); the scaled gradient overflows (times inf) at the optimizer steps in `overflow_steps`."""
     trainer = build_trainer(PrunedDPOTrainer, PrunedDPOConfig, tokenizer, Dataset.from_list(preference_rows(16)),
                             tmp_path, fp16=True, per_device_train_batch_size=2, max_steps=4, **{**PRUNE, **overrides})
-    assert trainer.accelerator.scaler is None  # accelerate on CPU: the stand-in below is what it builds on CUDA
-    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    # fp16 autocast around the forward, and unscaling before the gradient norm, as with a GPU scaler
-    trainer.accelerator.native_amp = True
-    weight = trainer.model.get_input_embeddings().weight
-    weight.register_hook(lambda grad: grad * math.inf if trainer.state.global_step in overflow_steps else grad)
+    with_cpu_loss_scaler(trainer, init_scale, overflow_steps)
     recorder = _StepRecorder(trainer)
     trainer.add_callback(recorder)
     return trainer, recorder

@@ -178,3 +178,17 @@ def lora_trainer(trainer_cls, config_cls, tokenizer, dataset, output_dir, **conf
             if "lora_B" in name and ".default." in name:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
     return trainer
+
+
+def with_cpu_loss_scaler(trainer, init_scale: float, overflow_steps=(), growth_interval: int = 2000):
+    """`trainer` (built with fp16=True) under fp16 autocast with a real `torch.amp.GradScaler` on CPU, as accelerate
+    builds one on a GPU (on CPU it builds none), unscaled before the gradient norm; its gradient overflows (times inf)
+    at the optimizer steps in `overflow_steps`."""
+    import math
+
+    assert trainer.accelerator.scaler is None  # accelerate on CPU: this stand-in is what it builds on CUDA
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    trainer.accelerator.native_amp = True
+    weight = trainer.model.get_input_embeddings().weight
+    weight.register_hook(lambda grad: grad * math.inf if trainer.state.global_step in overflow_steps else grad)
+    return trainer

@@ -268,7 +268,7 @@ class AutoKeepProbs(TrainerCallback):
                 torch._foreach_mul_(self._parts, scale)
             torch._foreach_sub_(self._parts, grads)
             diff2 = torch.stack(torch._foreach_norm(self._parts, dtype=torch.float32)).square().sum()
-            self.step.pair_diff2 = diff2 if scale is None else diff2 / scale.float().square()
+            self.step.pair_diff2 = diff2 if scale is None else diff2 / scale.square()
             # On a pair's second step, its first gradient goes back: the next pair's first step links to it.
             if step % 2:
                 torch._foreach_add_(self._parts, grads)
