@@ -1,6 +1,8 @@
 """pytest fixtures over the tiny local assets of tests/tiny.py (re-exported here for older imports)."""
 
 import copy
+import logging
+import os
 
 import pytest
 import torch
@@ -10,6 +12,38 @@ from tiny import *  # noqa: F403 - the builders, for `from conftest import ...`
 from tiny import char_tokenizer, preference_rows, tiny_model
 
 torch.set_num_threads(1)  # tiny models: threads only add synchronisation
+logging.getLogger("trl_pruned_dpo")  # the plugin's loggers are made on first use: their parent exists from the start
+
+
+@pytest.fixture(autouse=True)
+def process_state_restored():
+    """Each test leaves the environment and the loggers as it found them. The research scripts' `quiet()` (their
+    smoke tests run some in this process) raises `trl_pruned_dpo`, `transformers` and others to ERROR and sets
+    environment variables for good: every later test in the process then saw none of the plugin's warnings, so a test
+    of a warning passed or failed by which file ran before it. A logger that existed gets its level and propagation
+    back (the plugin's parent logger exists from the start); one that was only a parent name (a placeholder) goes back
+    to the defaults; one created by an import keeps what its library set."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    environ = dict(os.environ)
+    manager = logging.root.manager
+    before = {name: (node.level, node.propagate, node.disabled) if isinstance(node, logging.Logger)
+              else None for name, node in manager.loggerDict.items()}
+    root_level = logging.root.level
+    bars = transformers_logging.is_progress_bar_enabled(), datasets.are_progress_bars_disabled()
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    for name, node in list(manager.loggerDict.items()):
+        if not isinstance(node, logging.Logger) or name not in before:
+            continue
+        level, propagate, disabled = before[name] or (logging.NOTSET, True, False)
+        node.setLevel(level)
+        node.propagate, node.disabled = propagate, disabled
+    logging.root.setLevel(root_level)
+    (transformers_logging.enable_progress_bar if bars[0] else transformers_logging.disable_progress_bar)()
+    (datasets.disable_progress_bars if bars[1] else datasets.enable_progress_bars)()
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ the narrow filters leave the user's own warnings alone.
 What stays is listed in docs/cli.md ("Messages from the libraries"), with why it is harmless.
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -83,3 +84,28 @@ def test_trl_padding_free_notice_hidden_only_where_the_plugin_honours_it(tmp_pat
     with caplog.at_level(logging.WARNING, logger="trl.trainer.dpo_trainer"):
         build_trainer(DPOTrainer, DPOConfig, char_tokenizer(), data, tmp_path / "s", padding_free=True)
     assert notice in caplog.text
+
+
+_ENVIRONMENT_BEFORE_QUIET = {}
+
+
+def test_a_script_made_quiet_inside_a_test():
+    """First of two (they run in this order, in one process): a research script's `quiet()`, as the benchmarks'
+    smoke tests run it in-process, raises the plugin's loggers to ERROR and sets environment variables."""
+    from benchmarks.workload import quiet
+
+    _ENVIRONMENT_BEFORE_QUIET.update(os.environ)
+    _ENVIRONMENT_BEFORE_QUIET.pop("PYTEST_CURRENT_TEST")
+    quiet()
+    assert not logging.getLogger("trl_pruned_dpo.trainer").isEnabledFor(logging.WARNING)
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
+
+
+def test_the_next_test_still_sees_the_plugins_warnings(caplog):
+    """Second of two: tests/conftest.py put the loggers and the environment back, so a test of a warning does not pass
+    or fail by which file ran before it in the same process."""
+    assert _ENVIRONMENT_BEFORE_QUIET, "runs after test_a_script_made_quiet_inside_a_test"
+    with caplog.at_level("WARNING"):
+        logging.getLogger("trl_pruned_dpo.trainer").warning("resuming from checkpoint-2")
+    assert [r.getMessage() for r in caplog.records] == ["resuming from checkpoint-2"]
+    assert {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"} == _ENVIRONMENT_BEFORE_QUIET
