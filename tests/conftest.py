@@ -39,7 +39,8 @@ def process_state_restored():
         if not isinstance(node, logging.Logger) or name not in before:
             continue
         level, propagate, disabled = before[name] or (logging.NOTSET, True, False)
-        node.setLevel(level)
+        if node.level != level:  # setLevel clears every logger's cache: only where it changed
+            node.setLevel(level)
         node.propagate, node.disabled = propagate, disabled
     logging.root.setLevel(root_level)
     (transformers_logging.enable_progress_bar if bars[0] else transformers_logging.disable_progress_bar)()
