@@ -12,6 +12,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 NOTICES = ("gemm_4bit", "is deprecated", "pin_memory", "num_processes")
 
@@ -104,7 +106,8 @@ def test_a_script_made_quiet_inside_a_test():
 def test_the_next_test_still_sees_the_plugins_warnings(caplog):
     """Second of two: tests/conftest.py put the loggers and the environment back, so a test of a warning does not pass
     or fail by which file ran before it in the same process."""
-    assert _ENVIRONMENT_BEFORE_QUIET, "runs after test_a_script_made_quiet_inside_a_test"
+    if not _ENVIRONMENT_BEFORE_QUIET:
+        pytest.skip("checks what test_a_script_made_quiet_inside_a_test left: run the two together")
     with caplog.at_level("WARNING"):
         logging.getLogger("trl_pruned_dpo.trainer").warning("resuming from checkpoint-2")
     assert [r.getMessage() for r in caplog.records] == ["resuming from checkpoint-2"]
