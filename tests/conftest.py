@@ -23,15 +23,11 @@ def process_state_restored():
     of a warning passed or failed by which file ran before it. A logger that existed gets its level and propagation
     back (the plugin's parent logger exists from the start); one that was only a parent name (a placeholder) goes back
     to the defaults; one created by an import keeps what its library set."""
-    import datasets
-    from transformers.utils import logging as transformers_logging
-
     environ = dict(os.environ)
     manager = logging.root.manager
     before = {name: (node.level, node.propagate, node.disabled) if isinstance(node, logging.Logger)
               else None for name, node in manager.loggerDict.items()}
     root_level = logging.root.level
-    bars = transformers_logging.is_progress_bar_enabled(), datasets.are_progress_bars_disabled()
     yield
     os.environ.clear()
     os.environ.update(environ)
@@ -42,9 +38,8 @@ def process_state_restored():
         if node.level != level:  # setLevel clears every logger's cache: only where it changed
             node.setLevel(level)
         node.propagate, node.disabled = propagate, disabled
-    logging.root.setLevel(root_level)
-    (transformers_logging.enable_progress_bar if bars[0] else transformers_logging.disable_progress_bar)()
-    (datasets.disable_progress_bars if bars[1] else datasets.enable_progress_bars)()
+    if logging.root.level != root_level:
+        logging.root.setLevel(root_level)
 
 
 @pytest.fixture(scope="session")

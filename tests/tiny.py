@@ -5,6 +5,7 @@ Imported by tests/conftest.py (which adds the pytest fixtures), tests/distribute
 """
 
 import copy
+import math
 import os
 import string
 
@@ -184,8 +185,6 @@ def with_cpu_loss_scaler(trainer, init_scale: float, overflow_steps=(), growth_i
     """`trainer` (built with fp16=True) under fp16 autocast with a real `torch.amp.GradScaler` on CPU, as accelerate
     builds one on a GPU (on CPU it builds none), unscaled before the gradient norm; its gradient overflows (times inf)
     at the optimizer steps in `overflow_steps`."""
-    import math
-
     assert trainer.accelerator.scaler is None  # accelerate on CPU: this stand-in is what it builds on CUDA
     trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
     trainer.accelerator.native_amp = True
