@@ -200,6 +200,15 @@ def test_recurrent_families_fall_back_without_a_check(model_type, overrides, tok
     exact(stock, pruned)
 
 
+def test_an_unknown_layer_type_falls_back_naming_it(tokenizer):
+    """A `layer_types` entry the packed path does not know (transformers 5.25 has chunked, indexed and compressed
+    attention layers) falls back without a check, and the line names the type instead of calling it recurrent."""
+    model = tiny_family("llama", tokenizer)
+    model.config.layer_types = ["indexed_attention", "full_attention"]
+    verdict = attention.packed_verdict(model)
+    assert "layer types include indexed_attention (llama)" in verdict and "recurrent" not in verdict
+
+
 @pytest.mark.parametrize("build, reason", [
     (lambda tok: tiny_family("llama", tok), None),
     (lambda tok: _other("bloom", tok, n_layer=2, n_head=4), "ALiBi"),

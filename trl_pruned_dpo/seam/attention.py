@@ -295,11 +295,16 @@ ALIBI_FAMILIES = frozenset({"bloom", "mpt"})  # ALiBi always (Falcon: where `con
 CHECK = "check"  # `packed_verdict`: run packed only after the first-batch check
 
 
-def _recurrent(config) -> str | None:
+def _unrunnable_layers(config) -> str | None:
+    """Why the model's layers cannot run packed (recurrent families; `layer_types` the packed path does not know, such
+    as chunked, indexed or compressed attention), or None."""
     other = sorted(set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS)
-    if config.model_type in RECURRENT_FAMILIES or other:
+    if config.model_type in RECURRENT_FAMILIES:
         return f"its layers keep a recurrent or convolutional state ({config.model_type}{': ' if other else ''}" \
                f"{', '.join(other)})"
+    if other:
+        return f"its layer types include {', '.join(other)} ({config.model_type}), which the packed attention does " \
+               "not run"
     return None
 
 
@@ -328,9 +333,9 @@ def packed_verdict(model) -> str | None:
     check agrees; otherwise why it cannot run packed, from its config and its model file (one line)."""
     c = model.config
     kind = getattr(c, "model_type", None)
-    recurrent = _recurrent(c)
+    layers = _unrunnable_layers(c)
     checks = [
-        (recurrent, recurrent),
+        (layers, layers),
         (getattr(c, "alibi", False) or kind in ALIBI_FAMILIES, "its attention scores carry ALiBi biases, computed in "
                                                                "its own attention module (no packed metadata there)"),
         (getattr(c, "attention_chunk_size", None), "its attention is chunked (attention_chunk_size)"),
