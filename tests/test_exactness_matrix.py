@@ -347,3 +347,15 @@ def test_the_verdict_reads_the_model_file_through_a_wrapper_subclass(tokenizer):
         model.__class__ = wrapped
         assert attention._routes_attention(model) == packs
         assert (attention.packed_verdict(model) is None) == packs
+
+
+def test_the_family_survey_runs_a_family_through_every_setting(tokenizer, monkeypatch):
+    """tests/family_survey.py (the families outside the table, run by hand) on Llama taken out of the table: checked
+    on its first batch, then packed and exact in all four settings."""
+    import family_survey
+
+    monkeypatch.delitem(attention.EXACT_FAMILIES, "llama")
+    record = family_survey.survey_family("llama", tokenizer)
+    assert record["verdict"] == attention.CHECK and record["outcome"] == "packed"
+    assert [(s["common_prefix"], s["checkpointing"], s["outcome"]) for s in record["settings"]] == [
+        (False, False, "packed"), (False, True, "packed"), (True, False, "packed"), (True, True, "packed")]

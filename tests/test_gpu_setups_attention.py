@@ -26,7 +26,7 @@ from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from conftest import build_trainer, first_batch, loss_and_grads
+from conftest import build_trainer, first_batch, loss_and_grads, tiny_model
 from test_packed import ONLY, assert_exact, edge_rows, family, naive_varlen, pair_of_trainers, _host
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
 from trl_pruned_dpo.method.packing import pair_trees, plan_group
@@ -236,6 +236,24 @@ def test_float32_queries_reach_the_kernel_cast_as_transformers_flash_path_casts(
     expected = kernels._per_segment(*half, packing, 0.3).float()
     torch.testing.assert_close(out[0], expected, rtol=2e-2, atol=2e-2)
     assert attention._kernel_line(layer.config, attention._used[id(layer.config)][1]).count("queries cast to") == 1
+
+
+@pytest.mark.parametrize("loaded", [torch.bfloat16, torch.float32], ids=["bf16-model", "fp32-model"])
+def test_a_real_4bit_model_casts_float32_queries_to_its_config_dtype(loaded, kernel_device, tokenizer, tmp_path):
+    """Stand-in: `kernel_device`. A real bitsandbytes 4-bit model (QLoRA's fp32 norms make float32 queries): with a
+    flash backend the packed attention computes in the dtype transformers' flash path casts them to, which for a
+    quantized model is its config's dtype (`get_target_dtype`'s quantized branch), not its linear layers' (uint8);
+    a model loaded in float32 keeps float32 (no varlen kernel takes it: SDPA per segment, as said)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model(tokenizer).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=loaded, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16))
+    layer = model.model.layers[0].self_attn
+    assert getattr(model, "is_loaded_in_4bit", False) and layer.q_proj.weight.dtype == torch.uint8
+    assert kernels._compute_dtype(torch.zeros(1, 2, 8), layer, "flash_attention_2") == loaded
+    assert kernels._compute_dtype(torch.zeros(1, 2, 8), layer, "sdpa") == torch.float32  # stock's SDPA: float32
 
 
 def test_float32_without_autocast_runs_per_segment_and_says_why(kernel_device, tokenizer, tmp_path):

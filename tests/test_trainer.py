@@ -208,3 +208,62 @@ def test_qlora_4bit_on_cpu(tokenizer, dataset, tmp_path):
                                peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     assert getattr(trainer.model, "is_loaded_in_4bit", False)
     train(trainer)
+
+
+def _qlora_trainer(trainer_cls, config_cls, base, data, tokenizer, output_dir, compute_dtype):
+    """A real bitsandbytes 4-bit (nf4) model from `base` with LoRA on q/v and no `ref_model` (the reference is the
+    adapter switched off), as QLoRA users run it; every adapter weight set from one seed (LoRA's B starts at zero,
+    which would leave A without a gradient)."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    args = config_cls(output_dir=str(output_dir), per_device_train_batch_size=len(data), max_length=48,
+                      report_to="none", bf16=False)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+    trainer = trainer_cls(model=str(base), args=args, train_dataset=data, processing_class=tokenizer,
+                          quantization_config=quantization,
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in sorted(trainer.model.named_parameters()):
+            if "lora_" in name:
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+    return trainer
+
+
+def _largest_relative(grads, reference):
+    return max(float((grads[n] - reference[n]).abs().max()) / float(reference[n].abs().max()) for n in reference)
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["fp32-compute", "bf16-compute"])
+def test_qlora_4bit_packed_is_as_close_to_stock_as_stock_is_to_itself(compute_dtype, tokenizer, tmp_path):
+    """A real bitsandbytes 4-bit model on CPU (docs/setups.md), packed with the shared prompt, against stock
+    DPOTrainer on the same 8 ragged pairs: the same loss (1e-5), and every LoRA gradient within twice the distance
+    between stock's own gradient on the 8 pairs and the mean of its gradients on two halves of 4. Through the 4-bit
+    layers the LoRA gradients move with the batch's layout in steps of bfloat16 size, whatever the compute dtype
+    (measured: stock against itself that way 6.8e-3 relative, the plugin against stock 3.4e-3 with float32 compute,
+    5.1e-3 with bfloat16), so 1e-4 is not what any layout holds here; a layout error moves gradients by their size."""
+    pytest.importorskip("bitsandbytes")
+    from test_share_prompt import edge_rows
+
+    tiny_model(tokenizer, hidden=64).save_pretrained(tmp_path / "base")
+    data = Dataset.from_list(edge_rows())
+    stock = _qlora_trainer(DPOTrainer, DPOConfig, tmp_path / "base", data, tokenizer, tmp_path / "s", compute_dtype)
+    pruned = _qlora_trainer(PrunedDPOTrainer, PrunedDPOConfig, tmp_path / "base", data, tokenizer, tmp_path / "p",
+                            compute_dtype)
+    assert pruned.forward_choice.packed and pruned.forward_choice.share_prompt
+    assert getattr(pruned.model, "is_loaded_in_4bit", False)
+
+    def on(trainer, rows):
+        examples = trainer._remove_unused_columns(trainer.train_dataset, description="test")
+        trainer.model.train()
+        return loss_and_grads(trainer, trainer._prepare_inputs(trainer.data_collator([examples[i] for i in rows])))
+
+    loss, grads = on(stock, range(8))
+    halves = [on(stock, rows)[1] for rows in (range(4), range(4, 8))]
+    floor = _largest_relative({n: (halves[0][n] + halves[1][n]) / 2 for n in grads}, grads)
+    pruned_loss, pruned_grads = on(pruned, range(8))
+    assert pruned.last_prune_stats["shared_pairs"] == 8
+    torch.testing.assert_close(pruned_loss, loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == pruned_grads.keys() and all("lora_" in n for n in grads)
+    assert _largest_relative(pruned_grads, grads) <= 2 * max(floor, 1e-4), (floor, _largest_relative(pruned_grads, grads))
