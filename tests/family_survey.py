@@ -45,7 +45,7 @@ from trl_pruned_dpo.seam import attention  # noqa: E402
 LATENT = dict(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4,
               num_key_value_heads=4)
 MAX_PARAMETERS = 5_000_000
-SECONDS_PER_FAMILY = 300
+SECONDS_PER_FAMILY = 900
 
 
 def outside_the_table() -> list[str]:
@@ -151,7 +151,7 @@ def survey_family(model_type: str, tokenizer) -> dict:
     return {**record, "outcome": worst["outcome"], "settings": settings}
 
 
-class _Timeout(Exception):
+class _Timeout(BaseException):  # not an Exception: the trainers' own `except Exception` must not take it
     pass
 
 
@@ -180,6 +180,7 @@ def main(argv=None) -> None:
                 print(error, file=sys.stderr)
             finally:
                 signal.alarm(0)
+                torch.set_grad_enabled(True)  # an alarm inside a no-grad block leaves it off for the next family
             counts[record["outcome"]] += 1
             print(json.dumps({k: record.get(k) for k in ("family", "outcome", "verdict", "error")}), flush=True)
             out.write(json.dumps(record) + "\n")

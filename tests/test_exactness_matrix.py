@@ -200,6 +200,34 @@ def test_recurrent_families_fall_back_without_a_check(model_type, overrides, tok
     exact(stock, pruned)
 
 
+CUTS = (dict(prune_common_prefix=True), dict(position_keep_prob=0.5), dict(prefix_prune_prob=0.5),
+        dict(position_keep_prob="auto"))
+
+
+def test_a_bidirectional_model_never_packs_and_refuses_cut_rows(tokenizer, tmp_path):
+    """BERT loaded as a causal LM without `is_decoder=True` (transformers warns, and trains it): each token sees the
+    tokens after it. The exact savings fall back to stock's forward in one line, without a first-batch check; an
+    estimator that runs fewer tokens of a row than it holds is refused when the trainer is built (tests/family_survey.py
+    found `prune_common_prefix` on padded rows differing from stock there). As a decoder it is checked, then packs."""
+    config = CONFIG_MAPPING["bert"](**SMALL, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model = _seeded_without_dropout(config)
+    assert "is_decoder=False" in attention.packed_verdict(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stock, pruned = trainers(model, tokenizer, tmp_path)
+    lines = [str(w.message) for w in caught if "ignored" in str(w.message)]
+    assert len(lines) == 1 and "bidirectional" in lines[0] and not pruned.forward_choice.pruned
+    exact(stock, pruned)
+    for cut in CUTS:
+        with pytest.raises(ValueError, match=f"{next(iter(cut))} run fewer tokens .* is_decoder=False.*is_decoder=True"):
+            trainers(model, tokenizer, tmp_path / "cut", **cut)
+    model.config.is_decoder = True
+    assert attention.packed_verdict(model) == attention.CHECK
+    stock, pruned = trainers(model, tokenizer, tmp_path / "decoder", prune_common_prefix=True)
+    exact(stock, pruned)
+    assert pruned.forward_choice.packed
+
+
 def test_an_unknown_layer_type_falls_back_naming_it(tokenizer):
     """A `layer_types` entry the packed path does not know (transformers 5.25 has chunked, indexed and compressed
     attention layers) falls back without a check, and the line names the type instead of calling it recurrent."""

@@ -115,6 +115,14 @@ def after_trl(choice: ForwardChoice, args: "PrunedDPOConfig", models: list[torch
         raise ValueError("prune_common_prefix cannot be exact with the MoE router auxiliary loss "
                          "(output_router_logits=True): stock's router loss counts every token of every row, and "
                          "the common prefix's rows and positions do not run; turn one of them off.")
+    cut = [name for name, on in (("position_keep_prob", args.position_keep_prob != 1.0),
+                                  ("prefix_prune_prob", args.prefix_prune_prob > 0.0),
+                                  ("prune_common_prefix", args.prune_common_prefix)) if on]
+    both_ways = next(filter(None, map(attention.bidirectional, models)), None)
+    if cut and both_ways:
+        raise ValueError(f"{', '.join(cut)} run fewer tokens of a row than it holds, which is exact only where "
+                         f"attention is causal, and {both_ways}: load the model as a decoder (is_decoder=True) or "
+                         "set them to their defaults.")
     if not any(getattr(args, name, False) for name in EXACT_SAVINGS):
         return choice
     if args.torch_compile:

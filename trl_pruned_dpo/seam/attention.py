@@ -328,13 +328,27 @@ def _routes_attention(model) -> bool:
     return not read
 
 
+def bidirectional(model) -> str | None:
+    """Why `model`'s attention is not causal, or None: an encoder family loaded as a causal LM without
+    `is_decoder=True` (BERT, RoBERTa, ...: transformers' `is_decoder` switch), where every token sees the ones after it.
+    Packing and any cut of a row (positions past the last scored one, a response prefix, the common prefix) are exact
+    only where a token sees none of the tokens after it."""
+    c = model.config
+    if getattr(c, "is_decoder", True) is False and not getattr(c, "is_encoder_decoder", False):
+        return (f"its attention is bidirectional ({c.model_type} with is_decoder=False: each token sees the tokens "
+                "after it)")
+    return None
+
+
 def packed_verdict(model) -> str | None:
     """None: `model` runs packed (its family is proven exact); `CHECK`: runs packed once the trainer's first-batch
     check agrees; otherwise why it cannot run packed, from its config and its model file (one line)."""
     c = model.config
     kind = getattr(c, "model_type", None)
     layers = _unrunnable_layers(c)
+    both_ways = bidirectional(model)
     checks = [
+        (both_ways, both_ways),
         (layers, layers),
         (getattr(c, "alibi", False) or kind in ALIBI_FAMILIES, "its attention scores carry ALiBi biases, computed in "
                                                                "its own attention module (no packed metadata there)"),
