@@ -8,6 +8,8 @@ batch by stock `DPOTrainer` and by `PrunedDPOTrainer` (`share_prompt` + `padding
 What each family comes out as (`outcome`):
 - `packed`: exact, packed after the first-batch check, no warning;
 - `fell back`: exact, one line naming why (`lines`), by the check or by the verdict from the config and model file;
+- `refused`: the trainer raised a ValueError naming why when it was built (e.g. `prune_common_prefix` on a
+  bidirectional model, or with a MoE router aux loss);
 - `MISMATCH` / `CRASH`: what must never happen (a silent difference; the plugin failing where stock runs);
 - `stock fails`, `not built`, `multimodal`, `too big`: stock itself cannot train the tiny config, the tiny config
   cannot be made from the sizes here, the config is a composite (vision or audio + text), or it has over 5M
@@ -103,7 +105,10 @@ def _stock_error(stock) -> str | None:
 def _one_setting(model, tokenizer, common_prefix: bool, checkpointing: bool) -> dict:
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stock, pruned = trainers(model, tokenizer, pathlib.Path(folder), prune_common_prefix=common_prefix)
+        try:
+            stock, pruned = trainers(model, tokenizer, pathlib.Path(folder), prune_common_prefix=common_prefix)
+        except ValueError as refusal:  # refused before any work, in one line
+            return {"outcome": "refused", "detail": str(refusal)[:300]}
         stock_error = _stock_error(stock)
         if stock_error:
             return {"outcome": "stock fails", "stock": stock_error}
@@ -146,7 +151,7 @@ def survey_family(model_type: str, tokenizer) -> dict:
             settings.append({"common_prefix": common_prefix, "checkpointing": checkpointing, **result})
             if result["outcome"] == "stock fails":
                 return {**record, **result}
-    rank = ["MISMATCH", "CRASH", "fell back", "packed"]
+    rank = ["MISMATCH", "CRASH", "refused", "fell back", "packed"]
     worst = min(settings, key=lambda s: rank.index(s["outcome"]))
     return {**record, "outcome": worst["outcome"], "settings": settings}
 

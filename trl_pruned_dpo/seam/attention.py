@@ -308,24 +308,32 @@ def _unrunnable_layers(config) -> str | None:
     return None
 
 
-def _routes_attention(model) -> bool:
-    """Whether the model file calls transformers' attention interface (where the packed attention plugs in): the files
-    of the model's classes (FSDP2 subclasses the model's class in a torch module); none readable: the first-batch
-    check decides."""
+def _model_files(model) -> list[str]:
+    """The source of the files of the model's classes (FSDP2 subclasses the model's class in a torch module), those
+    that can be read."""
     from transformers import PreTrainedModel
 
-    read = False
+    sources = []
     for cls in type(model).__mro__:
         if not issubclass(cls, PreTrainedModel) or cls is PreTrainedModel:  # its own file names the interface
             continue
         try:
-            source = inspect.getsource(sys.modules[cls.__module__])
+            sources.append(inspect.getsource(sys.modules[cls.__module__]))
         except (OSError, TypeError, KeyError):
             continue
-        read = True
-        if "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source:
-            return True
-    return not read
+    return sources
+
+
+def _routes_attention(model) -> bool:
+    """Whether the model file calls transformers' attention interface (where the packed attention plugs in); none
+    readable: the first-batch check decides."""
+    sources = _model_files(model)
+    return not sources or any("ALL_ATTENTION_FUNCTIONS" in s or "AttentionInterface" in s for s in sources)
+
+
+# What a model file that switches its attention on `config.is_decoder` builds when it is False: a mask over every
+# token (GPT-NeoX also has the attribute, and is causal either way).
+BIDIRECTIONAL_MASKS = ("create_bidirectional_mask", "_prepare_4d_attention_mask", "get_extended_attention_mask")
 
 
 def bidirectional(model) -> str | None:
@@ -334,10 +342,11 @@ def bidirectional(model) -> str | None:
     Packing and any cut of a row (positions past the last scored one, a response prefix, the common prefix) are exact
     only where a token sees none of the tokens after it."""
     c = model.config
-    if getattr(c, "is_decoder", True) is False and not getattr(c, "is_encoder_decoder", False):
-        return (f"its attention is bidirectional ({c.model_type} with is_decoder=False: each token sees the tokens "
-                "after it)")
-    return None
+    if getattr(c, "is_decoder", True) is not False or getattr(c, "is_encoder_decoder", False):
+        return None
+    if not any(mask in source for source in _model_files(model) for mask in BIDIRECTIONAL_MASKS):
+        return None
+    return f"its attention is bidirectional ({c.model_type} with is_decoder=False: each token sees the tokens after it)"
 
 
 def packed_verdict(model) -> str | None:
