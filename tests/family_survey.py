@@ -8,8 +8,8 @@ batch by stock `DPOTrainer` and by `PrunedDPOTrainer` (`share_prompt` + `padding
 What each family comes out as (`outcome`):
 - `packed`: exact, packed after the first-batch check, no warning;
 - `fell back`: exact, one line naming why (`lines`), by the check or by the verdict from the config and model file;
-- `refused`: the trainer raised a ValueError naming why when it was built (e.g. `prune_common_prefix` on a
-  bidirectional model, or with a MoE router aux loss);
+- `refused`: a ValueError naming why, when the trainer was built (e.g. `prune_common_prefix` with a MoE router aux
+  loss, or on a bidirectional model) or on its first batch (the causality check);
 - `MISMATCH` / `CRASH`: what must never happen (a silent difference; the plugin failing where stock runs);
 - `stock fails`, `not built`, `multimodal`, `too big`: stock itself cannot train the tiny config, the tiny config
   cannot be made from the sizes here, the config is a composite (vision or audio + text), or it has over 5M
@@ -117,6 +117,8 @@ def _one_setting(model, tokenizer, common_prefix: bool, checkpointing: bool) -> 
             outcome = None
         except AssertionError as error:
             outcome, detail = "MISMATCH", str(error).splitlines()[0][:300]
+        except ValueError as refusal:  # stopped on the first batch, before any gradient (`check_causal`)
+            return {"outcome": "refused", "detail": str(refusal)[:300]}
         except Exception as error:  # noqa: BLE001
             outcome, detail = "CRASH", f"{type(error).__name__}: {str(error)[:300]}"
         lines = [str(w.message) for w in caught if "ignored" in str(w.message)]

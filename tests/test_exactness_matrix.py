@@ -221,7 +221,8 @@ def test_a_bidirectional_model_never_packs_and_refuses_cut_rows(tokenizer, tmp_p
     for cut in CUTS:
         with pytest.raises(ValueError, match=f"{next(iter(cut))} run fewer tokens .* is_decoder=False.*is_decoder=True"):
             trainers(model, tokenizer, tmp_path / "cut", **cut)
-    model.config.is_decoder = True
+    config.is_decoder = True  # at construction: BERT's attention modules read it there
+    model = _seeded_without_dropout(config)
     assert attention.packed_verdict(model) == attention.CHECK
     stock, pruned = trainers(model, tokenizer, tmp_path / "decoder", prune_common_prefix=True)
     exact(stock, pruned)
@@ -387,3 +388,35 @@ def test_the_family_survey_runs_a_family_through_every_setting(tokenizer, monkey
     assert record["verdict"] == attention.CHECK and record["outcome"] == "packed"
     assert [(s["common_prefix"], s["checkpointing"], s["outcome"]) for s in record["settings"]] == [
         (False, False, "packed"), (False, True, "packed"), (True, False, "packed"), (True, True, "packed")]
+
+
+@pytest.mark.parametrize("cut", CUTS[:3], ids=["common-prefix", "position", "prefix"])
+def test_a_model_that_sees_later_tokens_by_its_own_switch_is_stopped_on_its_first_batch(cut, tokenizer, tmp_path):
+    """XLM with `causal=False` (its default) attends both ways without transformers' `is_decoder` switch, and its
+    attention module is its own (stock's forward, or padded rows, run): an estimator that cuts rows short is stopped
+    on the first batch, before any gradient, by the padded log-probs of rows whole and cut (tests/family_survey.py
+    found `prune_common_prefix` differing from stock there). The exact savings alone fall back to stock's forward."""
+    import family_survey
+
+    model = _seeded_without_dropout(family_survey.tiny_config("xlm", tokenizer))
+    assert attention.bidirectional(model) is None and attention.packed_verdict(model) not in (None, attention.CHECK)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        stock, pruned = trainers(model, tokenizer, tmp_path, **cut)
+    assert pruned.forward_choice.causal_unproven
+    with pytest.raises(ValueError, match=f"{next(iter(cut))} run fewer tokens .* xlm changed by .* sees later tokens"):
+        loss_and_grads(pruned, first_batch(pruned, BATCH))
+
+
+def test_a_causal_family_outside_the_table_passes_the_causality_check_once(tokenizer, tmp_path, monkeypatch):
+    """Llama taken out of the table, with `prune_common_prefix`: the causality check runs on the first batch, agrees,
+    and is not run again; training is stock's (the cut rows are exact on a causal model)."""
+    monkeypatch.delitem(attention.EXACT_FAMILIES, "llama")
+    stock, pruned = trainers(tiny_family("llama", tokenizer), tokenizer, tmp_path, prune_common_prefix=True)
+    assert pruned.forward_choice.causal_unproven
+    checks = []
+    original = forward_choice.check_causal
+    monkeypatch.setattr(forward_choice, "check_causal", lambda *args: checks.append(1) or original(*args))
+    exact(stock, pruned)
+    loss_and_grads(pruned, first_batch(pruned, BATCH))
+    assert checks == [1] and not pruned.forward_choice.causal_unproven and pruned.forward_choice.packed

@@ -47,7 +47,8 @@ class ForwardChoice:
     (`padding_free`/`share_prompt` on a model the packed attention takes), `share_prompt`: with each pair's prompt run
     once. `why`: why the exact savings asked for do not run (None when they run, or none was asked). `models`: the
     models whose attention is switched to the packed one; `unproven`: those whose family no test proves exact, checked
-    on the first packed batch.
+    on the first packed batch; `causal_unproven`: models outside the tested table on which an estimator cuts rows
+    short, whose causality is checked on the first batch (`check_causal`).
     """
 
     pruned: bool
@@ -56,6 +57,7 @@ class ForwardChoice:
     why: str | None = None
     models: tuple = dataclasses.field(default=(), repr=False)
     unproven: tuple = dataclasses.field(default=(), repr=False)
+    causal_unproven: tuple = dataclasses.field(default=(), repr=False)
 
     @property
     def kernel(self) -> str | None:
@@ -106,23 +108,42 @@ def after_trl(choice: ForwardChoice, args: "PrunedDPOConfig", models: list[torch
               is_vision: bool) -> ForwardChoice:
     """The layout, once TRL has loaded the models: packed (`padding_free`/`share_prompt` on models
     `attention.packed_verdict` allows; a family outside the tested table only after `check_first_batch` agrees) or
-    padded (said once), or TRL's own forward for a vision dataset with only the savings on."""
+    padded (said once), or TRL's own forward for a vision dataset with only the savings on. Where an estimator cuts
+    rows short on a family outside the table, its causality is checked on the first batch (`check_causal`)."""
     if not choice.pruned or not uses_pruned_forward(args):
         return choice
+    chosen = _layout_choice(choice, args, models, aux_loss_enabled, is_vision)
+    outside = tuple(m.get_base_model() if is_peft_model(m) else m for m in models
+                    if m.config.model_type not in attention.EXACT_FAMILIES)
+    if chosen.pruned and cut_rows(args) and outside:
+        return dataclasses.replace(chosen, causal_unproven=outside)
+    return chosen
+
+
+def cut_rows(args: Any) -> list[str]:
+    """The estimators asked for that run fewer tokens of a row than it holds (exact only under causal attention)."""
+    return [name for name, on in (("position_keep_prob", args.position_keep_prob != 1.0),
+                                  ("prefix_prune_prob", args.prefix_prune_prob > 0.0),
+                                  ("prune_common_prefix", args.prune_common_prefix)) if on]
+
+
+def _not_causal(cut: list[str], why: str) -> ValueError:
+    return ValueError(f"{', '.join(cut)} run fewer tokens of a row than it holds, which is exact only where attention "
+                      f"is causal, and {why}: load the model as a decoder (is_decoder=True where it has the switch) or "
+                      "set them to their defaults.")
+
+
+def _layout_choice(choice: ForwardChoice, args: "PrunedDPOConfig", models: list[torch.nn.Module],
+                   aux_loss_enabled: bool, is_vision: bool) -> ForwardChoice:
     if is_vision:
         return _without_savings(args, ValueError(VISION_ERROR))
     if aux_loss_enabled and args.prune_common_prefix:
         raise ValueError("prune_common_prefix cannot be exact with the MoE router auxiliary loss "
                          "(output_router_logits=True): stock's router loss counts every token of every row, and "
                          "the common prefix's rows and positions do not run; turn one of them off.")
-    cut = [name for name, on in (("position_keep_prob", args.position_keep_prob != 1.0),
-                                  ("prefix_prune_prob", args.prefix_prune_prob > 0.0),
-                                  ("prune_common_prefix", args.prune_common_prefix)) if on]
     both_ways = next(filter(None, map(attention.bidirectional, models)), None)
-    if cut and both_ways:
-        raise ValueError(f"{', '.join(cut)} run fewer tokens of a row than it holds, which is exact only where "
-                         f"attention is causal, and {both_ways}: load the model as a decoder (is_decoder=True) or "
-                         "set them to their defaults.")
+    if cut_rows(args) and both_ways:
+        raise _not_causal(cut_rows(args), both_ways)
     if not any(getattr(args, name, False) for name in EXACT_SAVINGS):
         return choice
     if args.torch_compile:
@@ -194,3 +215,40 @@ def check_first_batch(choice: ForwardChoice, context: ForwardContext, args: Any,
              f"the packed per-token log-probs differ from the padded ones by {float(worst):.2g} (> {tolerance:g})")
     return _without_savings(args, f"its family ({where or 'on another process'}) is not one a test proves "
                                   f"exact, and on the first batch {found}")
+
+
+def check_causal(choice: ForwardChoice, context: ForwardContext, args: Any, host: HostBatch,
+                 inputs: dict) -> ForwardChoice:
+    """Once, on the first batch, where an estimator cuts rows short on a family outside the tested table: the padded
+    per-token log-probs of a few pairs' rows whole and cut after half their response tokens, no grad; they must agree
+    on the kept half (the tolerances of `check_first_batch`: a causal model's kept tokens see nothing of the cut), else
+    the run stops with a ValueError naming the estimators (XLM with `causal=False` and CPM-Ant see later tokens
+    without `is_decoder`'s switch). Every process runs it and takes the worst."""
+
+    def no_grad() -> Any:
+        stack = no_grad_block(context.policy, context.checkpointing_kwargs)
+        stack.enter_context(compact_lm_head())
+        return stack
+
+    rows = host.input_ids.size(0)
+    run = (torch.arange(rows) % (rows // 2)) < min(2, rows // 2)
+    scored = host.completion_mask[:, 1:].bool() & run[:, None]
+    kept = scored & (scored.cumsum(1) <= (scored.sum(1, keepdim=True) + 1) // 2)
+    worst, where = torch.zeros((), device=inputs["input_ids"].device), ""
+    attention.use_packed(choice.models, packed=False)
+    for model in choice.causal_unproven:
+        outputs = []
+        for positions in (scored, kept):
+            group = plan_group(host, positions, run, row_trees(host, False), False)
+            with no_grad():
+                outputs.append(run_group(model, group, ("log_probs",), inputs)[0]["log_probs"].float())
+        difference = (outputs[1] - outputs[0])[kept.to(outputs[0].device)].abs().max().nan_to_num(nan=float("inf"))
+        if difference > worst:
+            worst, where = difference, model.config.model_type
+    worst = context.accelerator.reduce(worst, reduction="max")
+    tolerance = 1e-4 if next(choice.causal_unproven[0].parameters()).dtype in (torch.float32, torch.float64) else 5e-2
+    if float(worst) > tolerance:
+        raise _not_causal(cut_rows(args), f"on the first batch the log-probs of {where or 'a model on another process'} "
+                                          f"changed by {float(worst):.2g} (> {tolerance:g}) when its rows were cut after "
+                                          "half their response: its attention sees later tokens")
+    return dataclasses.replace(choice, causal_unproven=())

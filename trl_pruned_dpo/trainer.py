@@ -219,6 +219,9 @@ class PrunedDPOTrainer(DPOTrainer):
     def _layout(self, inputs: dict, host: HostBatch) -> Layout:
         """How this batch runs. The first packed batch of a family outside the tested table is checked first (also
         when it is the reference precompute's): the forward choice's one change."""
+        if self._forward_choice.causal_unproven:
+            self._forward_choice = forward_choice.check_causal(self._forward_choice, self.forward_context(), self.args,
+                                                               host, inputs)
         if self._forward_choice.layout(inputs).packed and self._forward_choice.unproven:
             self._forward_choice = forward_choice.check_first_batch(self._forward_choice, self.forward_context(),
                                                                     self.args, host, inputs)
