@@ -60,6 +60,11 @@ class ForwardChoice:
     causal_unproven: tuple = dataclasses.field(default=(), repr=False)
 
     @property
+    def pending(self) -> bool:
+        """Whether a first-batch check is still to run (`first_batch_checks`)."""
+        return bool(self.unproven or self.causal_unproven)
+
+    @property
     def kernel(self) -> str | None:
         """The attention kernel the packed rows run, named at the first packed forward (`attention.kernel_of`):
         "torch varlen_attn", "flash_attn varlen" or "SDPA per segment" ("a + b" where a model's layers differ;
@@ -112,9 +117,9 @@ def after_trl(choice: ForwardChoice, args: "PrunedDPOConfig", models: list[torch
     rows short on a family outside the table, its causality is checked on the first batch (`check_causal`)."""
     if not choice.pruned or not uses_pruned_forward(args):
         return choice
+    models = [m.get_base_model() if is_peft_model(m) else m for m in models]
     chosen = _layout_choice(choice, args, models, aux_loss_enabled, is_vision)
-    outside = tuple(m.get_base_model() if is_peft_model(m) else m for m in models
-                    if m.config.model_type not in attention.EXACT_FAMILIES)
+    outside = tuple(m for m in models if m.config.model_type not in attention.EXACT_FAMILIES)
     if chosen.pruned and cut_rows(args) and outside:
         return dataclasses.replace(chosen, causal_unproven=outside)
     return chosen
@@ -142,13 +147,12 @@ def _layout_choice(choice: ForwardChoice, args: "PrunedDPOConfig", models: list[
                          "(output_router_logits=True): stock's router loss counts every token of every row, and "
                          "the common prefix's rows and positions do not run; turn one of them off.")
     both_ways = next(filter(None, map(attention.bidirectional, models)), None)
-    if cut_rows(args) and both_ways:
-        raise _not_causal(cut_rows(args), both_ways)
+    if both_ways and (cut := cut_rows(args)):
+        raise _not_causal(cut, both_ways)
     if not any(getattr(args, name, False) for name in EXACT_SAVINGS):
         return choice
     if args.torch_compile:
         return _without_savings(args, COMPILED_PACKED)
-    models = [m.get_base_model() if is_peft_model(m) else m for m in models]
     verdicts = [attention.packed_verdict(model) for model in models]
     reason = next((v for v in verdicts if v not in (None, attention.CHECK)), None)
     # Stock's router loss counts every padded row's tokens; a packed row counts a shared prompt once.
@@ -163,20 +167,60 @@ def _layout_choice(choice: ForwardChoice, args: "PrunedDPOConfig", models: list[
                          unproven=unproven)
 
 
+def _first_pairs(host: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the batch's first two pairs (chosen and rejected) and their scored positions: what the first-batch
+    checks run."""
+    rows = host.input_ids.size(0)
+    run = (torch.arange(rows) % (rows // 2)) < min(2, rows // 2)
+    return run, host.completion_mask[:, 1:].bool() & run[:, None]
+
+
+def _log_probs(model: torch.nn.Module, host: HostBatch, inputs: dict, scored: torch.Tensor, run: torch.Tensor,
+               share: bool, packed: bool, no_grad: Any) -> torch.Tensor:
+    """`model`'s per-token log-probs of the `scored` positions of rows `run`, in float32, inside `no_grad()`."""
+    group = plan_group(host, scored, run, row_trees(host, share), packed)
+    with no_grad():
+        return run_group(model, group, ("log_probs",), inputs)[0]["log_probs"].float()
+
+
+def _checking(context: ForwardContext) -> Any:
+    """The checks' block: no grad, no checkpointing, TRL's head on the labelled positions only."""
+
+    def no_grad() -> Any:
+        stack = no_grad_block(context.policy, context.checkpointing_kwargs)
+        stack.enter_context(compact_lm_head())
+        return stack
+
+    return no_grad
+
+
+def _tolerance(model: torch.nn.Module) -> float:
+    """Round-off between two layouts' log-probs: 1e-4 in float32, 5e-2 in half precision (absolute)."""
+    return 1e-4 if next(model.parameters()).dtype in (torch.float32, torch.float64) else 5e-2
+
+
+def first_batch_checks(choice: ForwardChoice, context: ForwardContext, args: Any, host: HostBatch,
+                       inputs: dict) -> ForwardChoice:
+    """The forward choice's one change, on the first batch (also the reference precompute's): causality where an
+    estimator cuts rows (`check_causal`), then, on the first packed batch, packed against padded
+    (`check_first_batch`)."""
+    if choice.causal_unproven:
+        choice = check_causal(choice, context, args, host, inputs)
+    if choice.unproven and choice.layout(inputs).packed:
+        choice = check_first_batch(choice, context, args, host, inputs)
+    return choice
+
+
 def packed_against_padded(model: torch.nn.Module, packed_models: tuple, host: HostBatch, inputs: dict,
                           share: bool, no_grad: Any) -> torch.Tensor:
     """The largest |packed - padded| per-token log-prob of `model` over the batch's first two pairs (NaN reads as
     inf), each forward inside `no_grad()` (the caller's no-grad, compact-head block); `packed_models` are switched to
     each layout in turn. Raises what the packed forward raises."""
-    rows = host.input_ids.size(0)
-    run = (torch.arange(rows) % (rows // 2)) < min(2, rows // 2)
-    scored = host.completion_mask[:, 1:].bool() & run[:, None]
+    run, scored = _first_pairs(host)
     outputs = []
     for packed in (False, True):
         attention.use_packed(packed_models, packed)
-        group = plan_group(host, scored, run, row_trees(host, share), packed)
-        with no_grad():
-            outputs.append(run_group(model, group, ("log_probs",), inputs)[0]["log_probs"].float())
+        outputs.append(_log_probs(model, host, inputs, scored, run, share, packed, no_grad))
     return (outputs[1] - outputs[0]).abs().max().nan_to_num(nan=float("inf"))
 
 
@@ -187,18 +231,12 @@ def check_first_batch(choice: ForwardChoice, context: ForwardContext, args: Any,
     half precision, absolute), else one line naming the largest difference and padded (or stock's) forwards. Every
     process runs it and takes the worst (the same layout everywhere). `context` supplies the policy (whose
     checkpointing is paused) and the accelerator."""
-
-    def no_grad() -> Any:
-        # No grad, no checkpointing, TRL's head on the labelled positions only.
-        stack = no_grad_block(context.policy, context.checkpointing_kwargs)
-        stack.enter_context(compact_lm_head())
-        return stack
-
     worst = torch.zeros((), device=inputs["input_ids"].device)
     where, failure = "", None
     for model in choice.unproven:
         try:
-            difference = packed_against_padded(model, choice.models, host, inputs, choice.share_prompt, no_grad)
+            difference = packed_against_padded(model, choice.models, host, inputs, choice.share_prompt,
+                                               _checking(context))
         except Exception as error:  # noqa: BLE001 - a model the packed forward cannot run: padded, said why
             message = str(error).splitlines()[0] if str(error) else ""
             failure, where = f"{type(error).__name__}: {message}", model.config.model_type
@@ -207,7 +245,7 @@ def check_first_batch(choice: ForwardChoice, context: ForwardContext, args: Any,
         if difference > worst:
             worst, where = difference, model.config.model_type
     worst = context.accelerator.reduce(worst, reduction="max")
-    tolerance = 1e-4 if next(choice.unproven[0].parameters()).dtype in (torch.float32, torch.float64) else 5e-2
+    tolerance = _tolerance(choice.unproven[0])
     if float(worst) <= tolerance:
         return dataclasses.replace(choice, unproven=())
     attention.use_packed(choice.models, packed=False)
@@ -224,29 +262,18 @@ def check_causal(choice: ForwardChoice, context: ForwardContext, args: Any, host
     on the kept half (the tolerances of `check_first_batch`: a causal model's kept tokens see nothing of the cut), else
     the run stops with a ValueError naming the estimators (XLM with `causal=False` and CPM-Ant see later tokens
     without `is_decoder`'s switch). Every process runs it and takes the worst."""
-
-    def no_grad() -> Any:
-        stack = no_grad_block(context.policy, context.checkpointing_kwargs)
-        stack.enter_context(compact_lm_head())
-        return stack
-
-    rows = host.input_ids.size(0)
-    run = (torch.arange(rows) % (rows // 2)) < min(2, rows // 2)
-    scored = host.completion_mask[:, 1:].bool() & run[:, None]
+    run, scored = _first_pairs(host)
     kept = scored & (scored.cumsum(1) <= (scored.sum(1, keepdim=True) + 1) // 2)
     worst, where = torch.zeros((), device=inputs["input_ids"].device), ""
     attention.use_packed(choice.models, packed=False)
     for model in choice.causal_unproven:
-        outputs = []
-        for positions in (scored, kept):
-            group = plan_group(host, positions, run, row_trees(host, False), False)
-            with no_grad():
-                outputs.append(run_group(model, group, ("log_probs",), inputs)[0]["log_probs"].float())
-        difference = (outputs[1] - outputs[0])[kept.to(outputs[0].device)].abs().max().nan_to_num(nan=float("inf"))
+        whole, cut = (_log_probs(model, host, inputs, positions, run, False, False, _checking(context))
+                      for positions in (scored, kept))
+        difference = (cut - whole)[kept.to(whole.device)].abs().max().nan_to_num(nan=float("inf"))
         if difference > worst:
             worst, where = difference, model.config.model_type
     worst = context.accelerator.reduce(worst, reduction="max")
-    tolerance = 1e-4 if next(choice.causal_unproven[0].parameters()).dtype in (torch.float32, torch.float64) else 5e-2
+    tolerance = _tolerance(choice.causal_unproven[0])
     if float(worst) > tolerance:
         raise _not_causal(cut_rows(args), f"on the first batch the log-probs of {where or 'a model on another process'} "
                                           f"changed by {float(worst):.2g} (> {tolerance:g}) when its rows were cut after "

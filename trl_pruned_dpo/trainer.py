@@ -217,14 +217,11 @@ class PrunedDPOTrainer(DPOTrainer):
                           attention_mask=host.attention_mask)
 
     def _layout(self, inputs: dict, host: HostBatch) -> Layout:
-        """How this batch runs. The first packed batch of a family outside the tested table is checked first (also
-        when it is the reference precompute's): the forward choice's one change."""
-        if self._forward_choice.causal_unproven:
-            self._forward_choice = forward_choice.check_causal(self._forward_choice, self.forward_context(), self.args,
-                                                               host, inputs)
-        if self._forward_choice.layout(inputs).packed and self._forward_choice.unproven:
-            self._forward_choice = forward_choice.check_first_batch(self._forward_choice, self.forward_context(),
-                                                                    self.args, host, inputs)
+        """How this batch runs, after the first batch's checks of a family outside the tested table
+        (`forward_choice.first_batch_checks`: the forward choice's one change)."""
+        if self._forward_choice.pending:
+            self._forward_choice = forward_choice.first_batch_checks(self._forward_choice, self.forward_context(),
+                                                                     self.args, host, inputs)
         layout = self._forward_choice.layout(inputs)
         # Kept until the trainer's next stock forward: checkpointing recomputes in the backward.
         if layout.packed:
