@@ -255,9 +255,7 @@ def test_qlora_4bit_packed_is_as_close_to_stock_as_stock_is_to_itself(compute_dt
     assert getattr(pruned.model, "is_loaded_in_4bit", False)
 
     def on(trainer, rows):
-        examples = trainer._remove_unused_columns(trainer.train_dataset, description="test")
-        trainer.model.train()
-        return loss_and_grads(trainer, trainer._prepare_inputs(trainer.data_collator([examples[i] for i in rows])))
+        return loss_and_grads(trainer, first_batch(trainer, rows=rows))
 
     loss, grads = on(stock, range(8))
     halves = [on(stock, rows)[1] for rows in (range(4), range(4, 8))]

@@ -123,11 +123,11 @@ def train_and_compare_histories(stock, pruned, steps: int = 2):
     return list(zip(history_s, history_p))
 
 
-def first_batch(trainer, n=4):
-    """The first n training examples, collated the way training collates them (no shuffling)."""
+def first_batch(trainer, n=4, rows=None):
+    """The first n training examples (or those at `rows`), collated the way training collates them (no shuffling)."""
     trainer.model.train()
     data = trainer._remove_unused_columns(trainer.train_dataset, description="test")
-    return trainer._prepare_inputs(trainer.data_collator([data[i] for i in range(n)]))
+    return trainer._prepare_inputs(trainer.data_collator([data[i] for i in (range(n) if rows is None else rows)]))
 
 
 def loss_and_grads(trainer, batch):
