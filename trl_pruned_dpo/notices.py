@@ -1,8 +1,9 @@
 """Library notices the plugin causes or can avoid, hidden narrowly: each filter names one message of one library, and
 the warnings ones apply only around the plugin's own calls, never to the user's code.
 
-- bitsandbytes logs "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'" when
-  TRL imports it, QLoRA or not; the CPU 4-bit path falls back to its own kernel. A filter on that one logger, for
+- bitsandbytes logs "Failed to load CPU gemm_4bit_forward from kernels-community: ..." (no `kernels` module, or, with
+  `kernels` installed, a hub repository it may not load offline) when TRL imports it, QLoRA or not; the CPU 4-bit path
+  falls back to its own kernel. A filter on that one logger, for
   that one message, installed when the package is imported (before TRL).
 - transformers 5 deprecates the `gradient_checkpointing*` names in favour of `activation_checkpointing*`. DPOConfig's
   own default sets `gradient_checkpointing`, and TRL's `disable_gradient_checkpointing` (entered around every no-grad
