@@ -99,7 +99,7 @@ def test_console_script_trains_the_demo(tmp_path, cache):
     training, total = (float(x) for x in re.findall(r"([0-9.]+) s", timing)[:2])
     assert training <= total <= elapsed - 3.0, (timing, elapsed)
     noise = [line for line in result.stderr.splitlines() if any(
-        text in line for text in ("gemm_4bit", "is deprecated", "pin_memory"))]
+        text in line for text in ("gemm_4bit", "quantization-bitsandbytes", "is deprecated", "pin_memory"))]
     assert not noise, noise  # other libraries' notices that are not the user's business
     assert "Writing model shards" not in result.stderr.split("Tokenizing train dataset")[0]  # the builtin build's
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
@@ -151,7 +151,7 @@ def test_trl_dpo_uses_pruned_trainer_with_the_opt_in_hook(tmp_path, cache):
     assert "prune/branches_backpropagated" in result.stdout  # only PrunedDPOTrainer logs it
     assert (tmp_path / "trl-out" / "model.safetensors").is_file()
     noise = [line for line in result.stderr.splitlines() if any(  # as quiet as the CLI (trl_pruned_dpo/notices.py)
-        text in line for text in ("gemm_4bit", "is deprecated", "pin_memory"))]
+        text in line for text in ("gemm_4bit", "quantization-bitsandbytes", "is deprecated", "pin_memory"))]
     assert not noise, noise
 
 

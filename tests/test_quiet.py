@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-NOTICES = ("gemm_4bit", "is deprecated", "pin_memory", "num_processes")
+NOTICES = ("gemm_4bit", "quantization-bitsandbytes", "is deprecated", "pin_memory", "num_processes")
 
 API_RUN = """
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -61,9 +61,14 @@ def test_the_filters_are_narrow():
         warnings.warn("`gradient_checkpointing_enable` is deprecated and will be removed", FutureWarning)
         warnings.warn("'pin_memory' argument is set as true but no accelerator is found", UserWarning)
     assert [str(w.message).split()[0] for w in caught] == ["`gradient_checkpointing_enable`", "'pin_memory'"]
-    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    assert not logger.filters[0](logging.makeLogRecord({"msg": "Failed to load CPU gemm_4bit_forward from x"}))
-    assert logger.filters[0](logging.makeLogRecord({"msg": "any other message"}))
+    for name, hidden in (("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from x"),
+                         ("kernels._internals.hf_hub", "Skipping publisher trust check for "
+                          "'kernels-community/quantization-bitsandbytes' because Hugging Face Hub is in offline mode.")):
+        logger = logging.getLogger(name)
+        assert not logger.filter(logging.makeLogRecord({"msg": hidden}))
+        assert logger.filter(logging.makeLogRecord({"msg": "any other message"}))
+    assert logging.getLogger("kernels._internals.hf_hub").filter(logging.makeLogRecord(
+        {"msg": "Skipping publisher trust check for 'someone/another-kernel' because Hugging Face Hub is offline."}))
 
 
 def test_trl_padding_free_notice_hidden_only_where_the_plugin_honours_it(tmp_path, caplog):

@@ -3,8 +3,9 @@ the warnings ones apply only around the plugin's own calls, never to the user's 
 
 - bitsandbytes logs "Failed to load CPU gemm_4bit_forward from kernels-community: ..." (no `kernels` module, or, with
   `kernels` installed, a hub repository it may not load offline) when TRL imports it, QLoRA or not; the CPU 4-bit path
-  falls back to its own kernel. A filter on that one logger, for
-  that one message, installed when the package is imported (before TRL).
+  falls back to its own kernel. With `HF_HUB_OFFLINE=1`, `kernels` itself first logs "Skipping publisher trust check
+  for 'kernels-community/quantization-bitsandbytes' ...". A filter on each of those two loggers, for that one message,
+  installed when the package is imported (before TRL).
 - transformers 5 deprecates the `gradient_checkpointing*` names in favour of `activation_checkpointing*`. DPOConfig's
   own default sets `gradient_checkpointing`, and TRL's `disable_gradient_checkpointing` (entered around every no-grad
   forward, the plugin's and TRL's reference and evaluation passes) calls the deprecated methods, the first time
@@ -24,19 +25,29 @@ import contextlib
 import logging
 import warnings
 
-_BNB_LOGGER = "bitsandbytes.backends.cpu.ops"
+# logger -> the text of the one message hidden on it: bitsandbytes' optional CPU 4-bit kernels, at its import
+IMPORT_NOTICES = {"bitsandbytes.backends.cpu.ops": "gemm_4bit_forward",
+                  "kernels._internals.hf_hub": "'kernels-community/quantization-bitsandbytes'"}
 _DEPRECATED_CHECKPOINTING = r"`(is_)?gradient_checkpointing(_kwargs|_enable|_disable)?` is deprecated"
 
 
-def _not_the_kernels_notice(record: logging.LogRecord) -> bool:
-    return "gemm_4bit_forward" not in record.getMessage()
+class _HideOne(logging.Filter):
+    """Drops a logger's records whose message contains `text`; every other record passes."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def hide_import_notices() -> None:
-    """Install the bitsandbytes filter (idempotent); it must run before bitsandbytes is imported."""
-    logger = logging.getLogger(_BNB_LOGGER)
-    if _not_the_kernels_notice not in logger.filters:
-        logger.addFilter(_not_the_kernels_notice)
+    """Install the import-time filters (idempotent); they must run before bitsandbytes is imported."""
+    for name, text in IMPORT_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _HideOne) and f.text == text for f in logger.filters):
+            logger.addFilter(_HideOne(text))
 
 
 @contextlib.contextmanager
