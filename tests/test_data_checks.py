@@ -12,6 +12,7 @@ from datasets import Dataset
 
 from conftest import SAVINGS_OFF, build_trainer, preference_rows
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer
+from trl_pruned_dpo.errors import EmptyTrainingSet
 from trl_pruned_dpo.safety import data_checks
 
 PRUNED = {"position_keep_prob": 0.5}  # the checks run with the pruned forward only
@@ -60,6 +61,13 @@ def test_truncation_is_reported_with_its_share(tokenizer, tmp_path):
 def test_every_pair_dropped_by_truncation_is_refused(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="Every one of the 8 training pairs was dropped"):
         build(tokenizer, preference_rows(8), tmp_path, max_length=3)
+
+
+def test_every_pair_dropped_is_refused_before_the_reference_precompute(tokenizer, tmp_path):
+    """TRL's precompute would fail first, on an empty concatenation (stock: "torch.cat(): expected a non-empty list of
+    Tensors"); the plugin refuses with the same error as without the precompute."""
+    with pytest.raises(EmptyTrainingSet, match="Every training pair was dropped because its prompt alone fills"):
+        build(tokenizer, preference_rows(8), tmp_path, max_length=3, precompute_ref_log_probs=True)
 
 
 def test_pruning_off_runs_no_check_as_stock(tokenizer, tmp_path, monkeypatch):

@@ -7,7 +7,8 @@
   TRL appends) still has a signal, the EOS: it is counted in a warning of its own, usually a preprocessing slip.
 - Truncation: the collator cuts every prompt+response sequence to `max_length`; the share of pairs that lose
   response tokens is reported in one warning. TRL drops the pairs whose prompt alone fills `max_length`; if that is
-  every pair, training would fail later with an unrelated error, so it is refused here.
+  every pair, training would fail later with an unrelated error, so it is refused here (with a precomputed reference,
+  TRL's precompute would fail first, on an empty concatenation: the trainer refuses there, `dropped_everything`).
 - Prompts cut differently: with `truncation_mode="keep_end"` the collator cuts each row from its start, so a pair
   whose two responses differ in length loses different prompt tokens in its two rows. `share_prompt` shares only the
   leading tokens the two rows really hold in common (method/packing.py `common_tokens`), so such a pair stays exact but
@@ -109,6 +110,13 @@ def pair_findings(prepared: "Dataset", max_length: int | None, keep_start: bool,
             "misaligned": int(misaligned.sum())}
 
 
+def dropped_everything(n_before: int | None, max_length: int | None) -> EmptyTrainingSet:
+    """The refusal of a training set TRL's truncation filter emptied (`n_before`: how many pairs it had, if known)."""
+    every = f"Every one of the {n_before} training pairs was" if n_before else "Every training pair was"
+    return EmptyTrainingSet(f"{every} dropped because its prompt alone fills `max_length` ({max_length}) tokens: "
+                            "nothing is left to train on. Raise `max_length` (or shorten the prompts).")
+
+
 def check_training_pairs(trainer: Any, given: Any) -> None:
     """Warn about degenerate and truncated pairs of `trainer.train_dataset` (after TRL's tokenization and
     filtering), refuse a dataset that cannot train. `given`: the training dataset passed to the trainer.
@@ -147,9 +155,7 @@ def _findings(prepared: Any, args: "PrunedDPOConfig", tokenizer: Any, given: Any
     eos_id = getattr(tokenizer, "eos_token_id", None)
     n_before = len(given) if hasattr(given, "__len__") else None
     if len(prepared) == 0 and n_before:
-        raise EmptyTrainingSet(
-            f"Every one of the {n_before} training pairs was dropped because its prompt alone fills `max_length` "
-            f"({max_length}) tokens: nothing is left to train on. Raise `max_length` (or shorten the prompts).")
+        raise dropped_everything(n_before, max_length)
     found = pair_findings(prepared, max_length, args.truncation_mode == "keep_start", eos_id)
     total = found["total"]
     if found["degenerate"] == total:
