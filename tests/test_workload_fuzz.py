@@ -10,7 +10,8 @@ update of every trained parameter (plain SGD, so the update is the clipped gradi
 1e-4 of the tensor's largest change, plus a floor of 1e-6 of a gradient entry and 4 float32 ulps of
 the tensor's largest weight: an update is read as the difference of two weights).
 
-CI runs `CI_CASES` draws; `python tests/test_workload_fuzz.py FIRST COUNT` runs any range and prints one line per case."""
+CI runs `CI_CASES` draws; `python tests/test_workload_fuzz.py FIRST COUNT` runs any range and prints one line per case
+(the last run, quoted in docs/parity.md: tests/workload_fuzz_0_293.txt)."""
 
 import copy
 import sys
