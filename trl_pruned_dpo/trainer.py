@@ -39,7 +39,7 @@ from .notices import checkpointing_names_quiet, trl_padding_free_notice_hidden
 from .pruned_forward import ForwardContext, MicroStepRecord, reference_log_probs, run_pass
 from .reference import HOST_KEY, REF_TOKEN_COLUMNS, REF_TOKEN_KEY, host_batch, precompute_per_token, pruned_collator
 from .safety import checkpoints, guards
-from .safety.data_checks import check_training_pairs, dropped_everything
+from .safety.data_checks import check_training_pairs, refuse_emptied
 from .safety.run_state import RunState
 from .sampler import prompt_group_sampler
 from .seam import (
@@ -192,9 +192,7 @@ class PrunedDPOTrainer(DPOTrainer):
         reference.py). With pruning off, and for what TRL rejects (an IterableDataset), it is TRL's own."""
         if not self._forward_choice.pruned or isinstance(dataset, IterableDataset):
             return super()._precompute_ref_logps(dataset, name, batch_size)
-        if name == "train" and len(dataset) == 0:
-            # TRL's truncation filter left nothing (its constructor has read a first row of what it was given).
-            raise dropped_everything(None, self.args.max_length)
+        refuse_emptied(dataset, name, self.args.max_length)
         context = self.forward_context()
 
         def log_probs(model: torch.nn.Module, batch: dict, scored: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@
 - Truncation: the collator cuts every prompt+response sequence to `max_length`; the share of pairs that lose
   response tokens is reported in one warning. TRL drops the pairs whose prompt alone fills `max_length`; if that is
   every pair, training would fail later with an unrelated error, so it is refused here (with a precomputed reference,
-  TRL's precompute would fail first, on an empty concatenation: the trainer refuses there, `dropped_everything`).
+  TRL's precompute would fail first, on an empty concatenation: `refuse_emptied`, before it).
 - Prompts cut differently: with `truncation_mode="keep_end"` the collator cuts each row from its start, so a pair
   whose two responses differ in length loses different prompt tokens in its two rows. `share_prompt` shares only the
   leading tokens the two rows really hold in common (method/packing.py `common_tokens`), so such a pair stays exact but
@@ -115,6 +115,13 @@ def dropped_everything(n_before: int | None, max_length: int | None) -> EmptyTra
     every = f"Every one of the {n_before} training pairs was" if n_before else "Every training pair was"
     return EmptyTrainingSet(f"{every} dropped because its prompt alone fills `max_length` ({max_length}) tokens: "
                             "nothing is left to train on. Raise `max_length` (or shorten the prompts).")
+
+
+def refuse_emptied(dataset: Any, name: str, max_length: int | None) -> None:
+    """Before the reference precompute: a training set TRL's truncation filter left empty is refused (TRL's
+    constructor has read a first row of what it was given, so the filter emptied it)."""
+    if name == "train" and len(dataset) == 0:
+        raise dropped_everything(None, max_length)
 
 
 def check_training_pairs(trainer: Any, given: Any) -> None:
