@@ -11,7 +11,10 @@ update of every trained parameter (plain SGD, so the update is the clipped gradi
 the tensor's largest weight: an update is read as the difference of two weights).
 
 CI runs `CI_CASES` draws; `python tests/test_workload_fuzz.py FIRST COUNT` runs any range and prints one line per case
-(the last run, quoted in docs/parity.md: tests/workload_fuzz_0_293.txt)."""
+(the last run, quoted in docs/parity.md: tests/workload_fuzz_0_293.txt). With `--wide` the family is drawn from every
+family the exactness matrix holds and every family outside it that the last survey found exact
+(tests/family_survey.jsonl), and the tokenizer from the character one and a merging one (BPE, <bos> first: a prompt's
+tokens need not be a prefix of prompt + answer's); the rest of each draw is unchanged."""
 
 import copy
 import sys
@@ -25,8 +28,8 @@ from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_exactness_matrix import _other, tiny_family  # noqa: E402
-from tiny import QUIET_TRAINING, char_tokenizer  # noqa: E402
+from test_exactness_matrix import CONFIGS, _other, _seeded_without_dropout, tiny_family  # noqa: E402
+from tiny import QUIET_TRAINING, bpe_tokenizer, char_tokenizer  # noqa: E402
 from trl_pruned_dpo import PrunedDPOConfig, PrunedDPOTrainer  # noqa: E402
 from trl_pruned_dpo.config import PAIR_DIFFERENCE_LOSSES  # noqa: E402
 
@@ -48,6 +51,23 @@ FAMILIES = {  # name -> builder; packed, checked on the first batch, or falling 
     "gpt_neo": lambda tok: _other("gpt_neo", tok, num_layers=2, num_heads=4, window_size=6,
                                   attention_types=[[["global", "local"], 1]]),
 }
+
+
+def wide_families() -> dict:
+    """FAMILIES, every row of the exactness matrix, and every family outside it that tests/family_survey.py last found
+    exact (packed, or falling back in one line), built as the survey builds them."""
+    import json
+
+    from family_survey import tiny_config
+
+    pool = {**FAMILIES, **{name: (lambda tok, name=name: tiny_family(name, tok)) for name in CONFIGS}}
+    for line in (Path(__file__).parent / "family_survey.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["outcome"] in ("packed", "fell back"):
+            pool[record["family"]] = lambda tok, name=record["family"]: _seeded_without_dropout(tiny_config(name, tok))
+    return pool
+
+
 LOSSES = [["sigmoid"], ["hinge"], ["ipo"], ["robust"], ["exo_pair"], ["nca_pair"], ["bco_pair"], ["sppo_hard"],
           ["aot"], ["aot_unpaired"], ["apo_zero"], ["apo_down"], ["discopop"], ["sigmoid_norm"], ["sigmoid", "sft"],
           ["sigmoid", "bco_pair", "sft"]]
@@ -93,7 +113,10 @@ def _pick(g, options):
     return options[int(torch.randint(0, len(options), (1,), generator=g))]
 
 
-def draw(seed: int) -> dict:
+TOKENIZERS = {"char": char_tokenizer, "bpe": bpe_tokenizer}
+
+
+def draw(seed: int, families: dict = FAMILIES, tokenizers: tuple = ("char",)) -> dict:
     """One case: what both trainers get (`stock`), what only the plugin gets (`plugin`), and how it is built."""
     g = torch.Generator().manual_seed(seed)
     form = _pick(g, ["standard", "standard", "implicit", "conversational"])
@@ -132,18 +155,19 @@ def draw(seed: int) -> dict:
         plugin["padding_free"] = False
     elif setting == "padding_free only":
         plugin["share_prompt"] = False
-    family = _pick(g, list(FAMILIES))
+    family = _pick(g, list(families))
     return dict(seed=seed, form=form, rows=int(torch.randint(4, 13, (1,), generator=g)), family=family,
                 lora=bool(torch.rand(1, generator=g) < 0.2), evaluate=bool(torch.rand(1, generator=g) < 0.3),
-                stock=stock, plugin=plugin, data_seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+                stock=stock, plugin=plugin, data_seed=int(torch.randint(0, 2**31, (1,), generator=g)),
+                tokenizer=_pick(g, list(tokenizers)))  # drawn last: the draws before it do not depend on the pool
 
 
 def _outcome(case, trainer_cls, config_cls, extra, out, dtype=torch.float32):
-    tokenizer = char_tokenizer()
+    tokenizer = TOKENIZERS[case["tokenizer"]]()
     tokenizer.chat_template = CHAT_TEMPLATE
     g = torch.Generator().manual_seed(case["data_seed"])
     train, held_out = Dataset.from_list(_rows(g, case["form"], case["rows"])), Dataset.from_list(_rows(g, case["form"], 5))
-    model = FAMILIES[case["family"]](tokenizer).to(dtype)
+    model = (FAMILIES.get(case["family"]) or wide_families()[case["family"]])(tokenizer).to(dtype)
     if dtype != torch.float32:  # torch's grouped matmul of MoE experts takes no float64
         model.config._experts_implementation = "eager"
     ref_model, peft_config = copy.deepcopy(model), None
@@ -260,6 +284,20 @@ def test_a_drawn_workload_trains_as_stock_does(seed):
 
 
 
+def test_a_drawn_workload_of_the_wide_pool_trains_as_stock_does():
+    """One draw of `--wide` in CI (a family outside FAMILIES, the merging tokenizer), so the wide pool cannot rot (its
+    runs: docs/parity.md); the merging tokenizer does merge across a prompt's end."""
+    families = wide_families()
+    assert len(families) > len(FAMILIES) + len(CONFIGS) // 2
+    tokenizer = bpe_tokenizer()
+    prompt, whole = tokenizer("what i")["input_ids"], tokenizer("what is 3")["input_ids"]
+    assert whole[:len(prompt)] != prompt and tokenizer.decode(whole, skip_special_tokens=True) == "what is 3"
+    case = draw(3, families, tuple(TOKENIZERS))
+    assert case["family"] not in FAMILIES and case["tokenizer"] == "bpe"
+    verdict, detail = compare(case)
+    assert verdict == "same", (case, verdict, detail)
+
+
 @pytest.mark.parametrize("estimator", [{"position_keep_prob": 0.9}, {"branch_keep_prob": 0.5}])
 def test_the_comparison_sees_an_estimator(estimator):
     """The comparison is not blind: an unbiased estimator, which is not stock's step, is found to differ."""
@@ -270,8 +308,10 @@ def test_the_comparison_sees_an_estimator(estimator):
 
 if __name__ == "__main__":
     first, count = (int(a) for a in sys.argv[1:3])
+    wide = "--wide" in sys.argv[3:]
+    pool, tokenizers = (wide_families(), tuple(TOKENIZERS)) if wide else (FAMILIES, ("char",))
     for seed in range(first, first + count):
-        case = draw(seed)
+        case = draw(seed, pool, tokenizers)
         verdict, detail = compare(case)
         print(f"{seed:4d} {verdict:12s} {case['family']:22s} {case['form']:14s} {case['stock']['loss_type']} "
-              f"{case['plugin']} lora={case['lora']} | {detail}", flush=True)
+              f"{case['plugin']} lora={case['lora']} {case['tokenizer']} | {detail}", flush=True)

@@ -1,4 +1,4 @@
-"""The one home of the tests' tiny local assets: a character tokenizer, tiny dense and MoE models built from configs,
+"""The one home of the tests' tiny local assets: a character tokenizer, a merging (BPE) tokenizer, tiny dense and MoE models built from configs,
 preference data, and the trainer builders. Nothing here touches a hub.
 
 Imported by tests/conftest.py (which adds the pytest fixtures), tests/distributed/run_pruned.py and the parity tests.
@@ -10,7 +10,7 @@ import os
 import string
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -25,6 +25,26 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+def bpe_tokenizer(vocab_size: int = 160) -> PreTrainedTokenizerFast:
+    """A byte-pair tokenizer trained here on a fixed text of the character tokenizer's alphabet: tokens merge across
+    spaces and across a prompt's end (so a tokenized prompt need not be a prefix of prompt + answer), and every
+    encoding starts with <bos>, as Llama's and Gemma's tokenizers do."""
+    alphabet = list(string.ascii_letters + string.digits + string.punctuation + " ")
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.decoder = decoders.BPEDecoder()
+    g = torch.Generator().manual_seed(0)
+    text = ["".join(alphabet[int(i)] for i in torch.randint(0, 40, (60,), generator=g)) for _ in range(200)]
+    text += ["the answer is " + " ".join(str(int(i)) for i in torch.randint(0, 99, (8,), generator=g)) for _ in range(50)]
+    backend.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                                          initial_alphabet=alphabet, show_progress=False))
+    bos = backend.token_to_id("<bos>")
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                           special_tokens=[("<bos>", bos)])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
     )
