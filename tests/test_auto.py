@@ -218,6 +218,20 @@ def test_auto_measures_from_the_norms_training_computes(tokenizer, far_dataset, 
     assert all(not torch.is_tensor(v) or v.numel() <= 4 for v in vars(probs).values())
 
 
+def test_an_epochs_last_step_of_one_micro_batch_measures_nothing(tokenizer, tmp_path):
+    """Accumulation 2 over 5 micro-batches an epoch: every third step has one micro-batch (its epoch's last), which
+    has no smaller batch to compare with its accumulated gradient (Eq. A1: b = B). It adds no sample of tr Σ, and
+    training goes on (it divided by zero before)."""
+    dataset = Dataset.from_list([{**r, "rejected": r["rejected"][::-1] + "xyz"} for r in preference_rows(10)])
+    trainer = _train(tokenizer, dataset, tmp_path, per_device_train_batch_size=2, max_steps=9)
+    sent, sampled, flush = _recording_folds(trainer.auto_keep_probs)
+    trainer.train()
+    flush()
+    short = {step for step, values in sent.items() if values[1] == 2}  # the steps of one micro-batch of 2 pairs
+    assert short == {2, 5, 8} and not short & sampled
+    assert sampled, "the other steps measure"
+
+
 @pytest.mark.parametrize("case", [
     dict(save_steps=6),  # accumulation: the engine's norms
     dict(save_steps=5, per_device_train_batch_size=8, gradient_accumulation_steps=1),  # B / 2B, between a pair's steps

@@ -14,9 +14,13 @@ CI runs `CI_CASES` draws; `python tests/test_workload_fuzz.py FIRST COUNT` runs 
 (the last run, quoted in docs/parity.md: tests/workload_fuzz_0_293.txt). With `--wide` the family is drawn from every
 family the exactness matrix holds and every family outside it that the last survey found exact
 (tests/family_survey.jsonl), and the tokenizer from the character one and a merging one (BPE, <bos> first: a prompt's
-tokens need not be a prefix of prompt + answer's); the rest of each draw is unchanged."""
+tokens need not be a prefix of prompt + answer's); the rest of each draw is unchanged. With `--estimators` the plugin
+also gets estimators (position, branch, prefix pruning, `auto`); an estimator's step is not stock's, so the contract
+there is: it trains where stock trains, its logged losses are finite where stock's are, and its evaluation before
+training (never pruned) is stock's."""
 
 import copy
+import math
 import sys
 import tempfile
 import warnings
@@ -116,8 +120,10 @@ def _pick(g, options):
 TOKENIZERS = {"char": char_tokenizer, "bpe": bpe_tokenizer}
 
 
-def draw(seed: int, families: dict = FAMILIES, tokenizers: tuple = ("char",)) -> dict:
-    """One case: what both trainers get (`stock`), what only the plugin gets (`plugin`), and how it is built."""
+def draw(seed: int, families: dict = FAMILIES, tokenizers: tuple = ("char",), estimators: bool = False) -> dict:
+    """One case: what both trainers get (`stock`), what only the plugin gets (`plugin`), and how it is built. With
+    `estimators`, the plugin also gets estimators (drawn after everything else, so the rest of the case is the same)
+    and both trainers evaluate before training."""
     g = torch.Generator().manual_seed(seed)
     form = _pick(g, ["standard", "standard", "implicit", "conversational"])
     setting = _pick(g, ["defaults", "exact preset", "merged, any budget", "merged off", "share_prompt only",
@@ -156,10 +162,31 @@ def draw(seed: int, families: dict = FAMILIES, tokenizers: tuple = ("char",)) ->
     elif setting == "padding_free only":
         plugin["share_prompt"] = False
     family = _pick(g, list(families))
-    return dict(seed=seed, form=form, rows=int(torch.randint(4, 13, (1,), generator=g)), family=family,
+    case = dict(seed=seed, form=form, rows=int(torch.randint(4, 13, (1,), generator=g)), family=family,
                 lora=bool(torch.rand(1, generator=g) < 0.2), evaluate=bool(torch.rand(1, generator=g) < 0.3),
                 stock=stock, plugin=plugin, data_seed=int(torch.randint(0, 2**31, (1,), generator=g)),
                 tokenizer=_pick(g, list(tokenizers)))  # drawn last: the draws before it do not depend on the pool
+    if estimators:
+        case.update(estimators=True, evaluate=True)
+        plugin.update(_estimator_fields(g))
+    return case
+
+
+def _estimator_fields(g) -> dict:
+    """At least one estimator on: position, branch (paired or independent) and prefix pruning, `auto` among them, the
+    reference pruned or exact."""
+    fields = {}
+    while not fields:
+        if float(torch.rand(1, generator=g)) < 0.5:
+            fields["position_keep_prob"] = _pick(g, [0.5, 0.9, "auto"])
+        if float(torch.rand(1, generator=g)) < 0.5:
+            fields.update(branch_keep_prob=_pick(g, [0.3, 0.5, "auto"]),
+                          branch_sampling=_pick(g, ["paired", "independent"]))
+        if float(torch.rand(1, generator=g)) < 0.4:
+            fields.update(prefix_prune_prob=0.5, prefix_min_ratio=_pick(g, [0.2, 0.5]))
+    if float(torch.rand(1, generator=g)) < 0.3:
+        fields["prune_reference"] = False
+    return fields
 
 
 def _outcome(case, trainer_cls, config_cls, extra, out, dtype=torch.float32):
@@ -191,6 +218,7 @@ def _outcome(case, trainer_cls, config_cls, extra, out, dtype=torch.float32):
                     if "lora_B" in name:
                         p.add_(0.1 * torch.randn(p.shape, generator=gen))
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        first = trainer.evaluate() if case.get("estimators") else {}  # never pruned: stock's, at the same weights
         trainer.train()
         metrics = trainer.evaluate() if case["evaluate"] else {}
     except Exception as error:  # noqa: BLE001 - the outcome *is* the exception
@@ -198,11 +226,33 @@ def _outcome(case, trainer_cls, config_cls, extra, out, dtype=torch.float32):
                 "constructed": "trainer" in locals()}
     update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if n in before}
     history = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
-    return {"history": history, "eval": metrics, "update": update, "size": {n: float(w.abs().max()) for n, w in before.items()},
+    return {"history": history, "eval": metrics, "first_eval": first, "update": update, "size": {n: float(w.abs().max()) for n, w in before.items()},
             "packed": getattr(trainer, "forward_choice", None)}
 
 
-def _judge(stock, plugin, dtype) -> tuple[str, str, float]:
+def _eval_gaps(stock_eval: dict, plugin_eval: dict, label: str) -> list:
+    """(gap in units of 1e-4 relative + 1e-5 absolute, what) for each evaluated value of stock's."""
+    return [(abs(plugin_eval.get(key, float("inf")) - value) / (1e-4 * abs(value) + 1e-5),
+             f"{label} {key}: {plugin_eval.get(key, 'not logged')} against stock's {value}")
+            for key, value in stock_eval.items() if not key.endswith(("runtime", "per_second")) and isinstance(value, float)]
+
+
+def _judge_estimated(stock, plugin) -> tuple[str, str, float]:
+    """An estimator's step is not stock's (tests/test_unbiased.py checks its expectation): here it must train where
+    stock trains, every logged loss finite where stock's is, and evaluate as stock does (never pruned) before
+    training, at the same weights."""
+    for step, (hs, hp) in enumerate(zip(stock["history"], plugin["history"])):
+        if math.isfinite(hs["loss"]) and not math.isfinite(hp["loss"]):
+            return "differs", f"step {step}: loss {hp['loss']} where stock's is {hs['loss']}", float("inf")
+    worst, what = max(_eval_gaps(stock["first_eval"], plugin["first_eval"], "evaluation before training"),
+                      default=(0.0, ""))
+    if worst > 1:
+        return "differs", what, worst
+    choice = plugin["packed"]
+    return "trained", "packed" if choice is not None and choice.packed else "not packed", worst
+
+
+def _judge(stock, plugin, dtype, estimators=False) -> tuple[str, str, float]:
     """(verdict, detail, worst): `worst` is the largest gap of a trained value in units of its tolerance (1e-4
     relative + 1e-5 absolute for a logged float; for an update, 1e-4 of the tensor's largest change + a floor + 4 ulps
     of its largest weight); above 1 the verdict is "differs", naming that value."""
@@ -218,6 +268,8 @@ def _judge(stock, plugin, dtype) -> tuple[str, str, float]:
         return "crashed", f"{plugin['raised'].__name__}: {plugin['message']}", float("inf")
     if len(stock["history"]) != len(plugin["history"]) or stock["update"].keys() != plugin["update"].keys():
         return "differs", "logged steps or trained parameters differ", float("inf")
+    if estimators:
+        return _judge_estimated(stock, plugin)
     gaps = []  # (gap in units of its tolerance, what)
     for step, (hs, hp) in enumerate(zip(stock["history"], plugin["history"])):
         for key, value in hs.items():
@@ -230,10 +282,7 @@ def _judge(stock, plugin, dtype) -> tuple[str, str, float]:
             both_nan = hp[key] != hp[key] and value != value
             gaps.append((0.0 if both_nan else abs(hp[key] - value) / (1e-4 * abs(value) + 1e-5),
                          f"step {step} {key}: {hp[key]} against stock's {value}"))
-    for key, value in stock["eval"].items():
-        if not key.endswith(("runtime", "per_second")) and isinstance(value, float):
-            gaps.append((abs(plugin["eval"][key] - value) / (1e-4 * abs(value) + 1e-5),
-                         f"eval {key}: {plugin['eval'][key]} against stock's {value}"))
+    gaps += _eval_gaps(stock["eval"], plugin["eval"], "eval")
     # a floor of 1e-6 of a gradient entry: float32 round-off of an O(1) loss's gradient (where the exact gradient is
     # 0, e.g. a batch whose answers are identical after truncation, stock's is round-off of that size; the plugin's
     # may be 0)
@@ -255,11 +304,12 @@ def _both(case, dtype):
         warnings.simplefilter("ignore")
         stock = _outcome(case, DPOTrainer, DPOConfig, {}, Path(tmp) / "stock", dtype)
         plugin = _outcome(case, PrunedDPOTrainer, PrunedDPOConfig, case["plugin"], Path(tmp) / "plugin", dtype)
-    return _judge(stock, plugin, dtype)
+    return _judge(stock, plugin, dtype, case.get("estimators", False))
 
 
 def compare(case) -> tuple[str, str]:
-    """("same" | "refused" | "both raised" | "differs" | "crashed", detail) for one case.
+    """("same" | "trained" | "refused" | "both raised" | "differs" | "crashed", detail) for one case ("trained": an
+    estimator case that met `_judge_estimated`).
 
     Trained values that differ in float32 get a second look with the model in float64: round-off shrinks there, a
     wrong mask or weight does not. A loss near a stationary point of its margin (DiscoPOP's blend has one) turns
@@ -298,6 +348,21 @@ def test_a_drawn_workload_of_the_wide_pool_trains_as_stock_does():
     assert verdict == "same", (case, verdict, detail)
 
 
+@pytest.mark.parametrize("seed", [0, 2])
+def test_a_drawn_workload_with_estimators_trains_and_evaluates_as_stock_does(seed):
+    case = draw(seed, estimators=True)
+    verdict, detail = compare(case)
+    assert verdict in ("trained", "both raised"), (case, verdict, detail)
+
+
+def test_the_estimator_judge_sees_a_non_finite_loss_and_a_pruned_evaluation():
+    stock = {"history": [{"loss": 0.7}], "update": {"w": 0}, "first_eval": {"eval_loss": 0.69, "eval_runtime": 1.0}}
+    plugin = {**stock, "packed": None}
+    assert _judge(stock, plugin, torch.float32, estimators=True)[0] == "trained"
+    assert _judge(stock, {**plugin, "history": [{"loss": float("nan")}]}, torch.float32, True)[0] == "differs"
+    assert _judge(stock, {**plugin, "first_eval": {"eval_loss": 0.70}}, torch.float32, True)[0] == "differs"
+
+
 @pytest.mark.parametrize("estimator", [{"position_keep_prob": 0.9}, {"branch_keep_prob": 0.5}])
 def test_the_comparison_sees_an_estimator(estimator):
     """The comparison is not blind: an unbiased estimator, which is not stock's step, is found to differ."""
@@ -311,7 +376,7 @@ if __name__ == "__main__":
     wide = "--wide" in sys.argv[3:]
     pool, tokenizers = (wide_families(), tuple(TOKENIZERS)) if wide else (FAMILIES, ("char",))
     for seed in range(first, first + count):
-        case = draw(seed, pool, tokenizers)
+        case = draw(seed, pool, tokenizers, estimators="--estimators" in sys.argv[3:])
         verdict, detail = compare(case)
         print(f"{seed:4d} {verdict:12s} {case['family']:22s} {case['form']:14s} {case['stock']['loss_type']} "
               f"{case['plugin']} lora={case['lora']} {case['tokenizer']} | {detail}", flush=True)

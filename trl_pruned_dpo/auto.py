@@ -326,6 +326,9 @@ class AutoKeepProbs(TrainerCallback):
         self.stats.add(f"work_{kind}", totals.work / max(pairs, 1))
         sizes, drift = None, 0.0
         if not self.single and clip is not None:
+            # A step of one micro-batch on one process (an epoch's last, short step) has no smaller batch to compare.
+            if micro < 2:
+                return
             sizes = small2 / micro, float(clip) ** 2, pairs / micro, pairs
             if not math.isfinite(sizes[1]):
                 return
