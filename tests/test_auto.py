@@ -218,6 +218,20 @@ def test_auto_measures_from_the_norms_training_computes(tokenizer, far_dataset, 
     assert all(not torch.is_tensor(v) or v.numel() <= 4 for v in vars(probs).values())
 
 
+@pytest.mark.parametrize("case", [
+    dict(),  # accumulation: the hooks' norms
+    dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=14),  # B / 2B: the buffer's
+], ids=["accumulation", "single"])
+def test_auto_measures_a_float64_model(tokenizer, far_dataset, tmp_path, case):
+    """Norms in float32 or wider: a float64 model's gradients are measured in float64 (a float32 norm of them was an
+    error), and its first decision comes from finite estimates."""
+    model = tiny_model(tokenizer).double()
+    trainer = _train(tokenizer, far_dataset, tmp_path, model=model, **case)
+    trainer.train()
+    probs = trainer.auto_keep_probs
+    assert probs.history and math.isfinite(probs.history[0]["b_simple"])
+
+
 def test_an_epochs_last_step_of_one_micro_batch_measures_nothing(tokenizer, tmp_path):
     """Accumulation 2 over 5 micro-batches an epoch: every third step has one micro-batch (its epoch's last), which
     has no smaller batch to compare with its accumulated gradient (Eq. A1: b = B). It adds no sample of tr Σ, and

@@ -226,7 +226,8 @@ def _outcome(case, trainer_cls, config_cls, extra, out, dtype=torch.float32):
                 "constructed": "trainer" in locals()}
     update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if n in before}
     history = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
-    return {"history": history, "eval": metrics, "first_eval": first, "update": update, "size": {n: float(w.abs().max()) for n, w in before.items()},
+    return {"history": history, "eval": metrics, "first_eval": first, "update": update,
+            "size": {n: float(w.abs().max()) for n, w in before.items()},
             "packed": getattr(trainer, "forward_choice", None)}
 
 
@@ -234,7 +235,8 @@ def _eval_gaps(stock_eval: dict, plugin_eval: dict, label: str) -> list:
     """(gap in units of 1e-4 relative + 1e-5 absolute, what) for each evaluated value of stock's."""
     return [(abs(plugin_eval.get(key, float("inf")) - value) / (1e-4 * abs(value) + 1e-5),
              f"{label} {key}: {plugin_eval.get(key, 'not logged')} against stock's {value}")
-            for key, value in stock_eval.items() if not key.endswith(("runtime", "per_second")) and isinstance(value, float)]
+            for key, value in stock_eval.items()
+            if not key.endswith(("runtime", "per_second", "_time")) and isinstance(value, float)]  # timings apart
 
 
 def _judge_estimated(stock, plugin) -> tuple[str, str, float]:

@@ -1,5 +1,5 @@
-"""The one home of the tests' tiny local assets: a character tokenizer, a merging (BPE) tokenizer, tiny dense and MoE models built from configs,
-preference data, and the trainer builders. Nothing here touches a hub.
+"""The one home of the tests' tiny local assets: a character tokenizer, a merging (BPE) tokenizer, tiny dense and MoE
+models built from configs, preference data, and the trainer builders. Nothing here touches a hub.
 
 Imported by tests/conftest.py (which adds the pytest fixtures), tests/distributed/run_pruned.py and the parity tests.
 """
@@ -39,7 +39,8 @@ def bpe_tokenizer(vocab_size: int = 160) -> PreTrainedTokenizerFast:
     backend.decoder = decoders.BPEDecoder()
     g = torch.Generator().manual_seed(0)
     text = ["".join(alphabet[int(i)] for i in torch.randint(0, 40, (60,), generator=g)) for _ in range(200)]
-    text += ["the answer is " + " ".join(str(int(i)) for i in torch.randint(0, 99, (8,), generator=g)) for _ in range(50)]
+    text += ["the answer is " + " ".join(str(int(i)) for i in torch.randint(0, 99, (8,), generator=g))
+             for _ in range(50)]
     backend.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                                           initial_alphabet=alphabet, show_progress=False))
     bos = backend.token_to_id("<bos>")

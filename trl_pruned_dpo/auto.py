@@ -245,7 +245,7 @@ class AutoKeepProbs(TrainerCallback):
         """A micro-batch's local gradient, per parameter, before accumulation and reduction: one scalar kept."""
         if self.measuring:
             self.step.small_norm2 = self.step.small_norm2 + torch.linalg.vector_norm(
-                grad.detach(), dtype=torch.float32).square()
+                grad.detach(), dtype=torch.promote_types(grad.dtype, torch.float32)).square()
 
     def after_backward(self, step: int, scale: torch.Tensor | None = None) -> None:
         """A micro-batch's backward is done: on the B / 2B path (its one micro-batch), `.grad` before clipping and,
@@ -267,7 +267,8 @@ class AutoKeepProbs(TrainerCallback):
             if scale is not None:
                 torch._foreach_mul_(self._parts, scale)
             torch._foreach_sub_(self._parts, grads)
-            diff2 = torch.stack(torch._foreach_norm(self._parts, dtype=torch.float32)).square().sum()
+            diff2 = torch.stack(torch._foreach_norm(
+                self._parts, dtype=torch.promote_types(self._buffer.dtype, torch.float32))).square().sum()
             self.step.pair_diff2 = diff2 if scale is None else diff2 / scale.square()
             # On a pair's second step, its first gradient goes back: the next pair's first step links to it.
             if step % 2:
