@@ -20,6 +20,7 @@ there is: it trains where stock trains, its logged losses are finite where stock
 training (never pruned) is stock's."""
 
 import copy
+import functools
 import math
 import sys
 import tempfile
@@ -57,6 +58,7 @@ FAMILIES = {  # name -> builder; packed, checked on the first batch, or falling 
 }
 
 
+@functools.cache
 def wide_families() -> dict:
     """FAMILIES, every row of the exactness matrix, and every family outside it that tests/family_survey.py last found
     exact (packed, or falling back in one line), built as the survey builds them."""
@@ -194,7 +196,7 @@ def _outcome(case, trainer_cls, config_cls, extra, out, dtype=torch.float32):
     tokenizer.chat_template = CHAT_TEMPLATE
     g = torch.Generator().manual_seed(case["data_seed"])
     train, held_out = Dataset.from_list(_rows(g, case["form"], case["rows"])), Dataset.from_list(_rows(g, case["form"], 5))
-    model = (FAMILIES.get(case["family"]) or wide_families()[case["family"]])(tokenizer).to(dtype)
+    model = wide_families()[case["family"]](tokenizer).to(dtype)
     if dtype != torch.float32:  # torch's grouped matmul of MoE experts takes no float64
         model.config._experts_implementation = "eager"
     ref_model, peft_config = copy.deepcopy(model), None
@@ -231,6 +233,11 @@ def _outcome(case, trainer_cls, config_cls, extra, out, dtype=torch.float32):
             "packed": getattr(trainer, "forward_choice", None)}
 
 
+def _layout(plugin) -> str:
+    choice = plugin["packed"]
+    return "packed" if choice is not None and choice.packed else "not packed"
+
+
 def _eval_gaps(stock_eval: dict, plugin_eval: dict, label: str) -> list:
     """(gap in units of 1e-4 relative + 1e-5 absolute, what) for each evaluated value of stock's."""
     return [(abs(plugin_eval.get(key, float("inf")) - value) / (1e-4 * abs(value) + 1e-5),
@@ -250,8 +257,7 @@ def _judge_estimated(stock, plugin) -> tuple[str, str, float]:
                       default=(0.0, ""))
     if worst > 1:
         return "differs", what, worst
-    choice = plugin["packed"]
-    return "trained", "packed" if choice is not None and choice.packed else "not packed", worst
+    return "trained", _layout(plugin), worst
 
 
 def _judge(stock, plugin, dtype, estimators=False) -> tuple[str, str, float]:
@@ -297,8 +303,7 @@ def _judge(stock, plugin, dtype, estimators=False) -> tuple[str, str, float]:
     worst, what = max(gaps, default=(0.0, ""))
     if worst > 1:
         return "differs", what, worst
-    choice = plugin["packed"]
-    return "same", "packed" if choice is not None and choice.packed else "not packed", worst
+    return "same", _layout(plugin), worst
 
 
 def _both(case, dtype):

@@ -17,10 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " "  # both tokenizers' alphabet
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
-    alphabet = SPECIALS + list(string.ascii_letters + string.digits + string.punctuation + " ")
+    alphabet = SPECIALS + list(CHARACTERS)
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
@@ -34,7 +35,7 @@ def bpe_tokenizer(vocab_size: int = 160) -> PreTrainedTokenizerFast:
     """A byte-pair tokenizer trained here on a fixed text of the character tokenizer's alphabet: tokens merge across
     spaces and across a prompt's end (so a tokenized prompt need not be a prefix of prompt + answer), and every
     encoding starts with <bos>, as Llama's and Gemma's tokenizers do."""
-    alphabet = list(string.ascii_letters + string.digits + string.punctuation + " ")
+    alphabet = list(CHARACTERS)
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.decoder = decoders.BPEDecoder()
     g = torch.Generator().manual_seed(0)
