@@ -11,7 +11,9 @@ from datasets import Dataset
 from tiny import *  # noqa: F403 - the builders, for `from conftest import ...`
 from tiny import char_tokenizer, preference_rows, tiny_model
 
-torch.set_num_threads(1)  # tiny models: threads only add synchronisation
+# Tiny models: threads only add synchronisation. A run alone on the machine with real weights (CI's Gemma 3 file, after
+# the two-worker run) sets TEST_TORCH_THREADS to the cores it has.
+torch.set_num_threads(int(os.environ.get("TEST_TORCH_THREADS", "1")))
 logging.getLogger("trl_pruned_dpo")  # the plugin's loggers are made on first use: their parent exists from the start
 
 

@@ -7,6 +7,9 @@ worked examples in docs (branch pruning at 0.5: 10 -> 7 forward-units with a liv
 with a precomputed reference, 8 -> 6 without checkpointing).
 """
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import subprocess
@@ -18,6 +21,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.flops import Shape, Work, step_flops  # noqa: E402
+
+
+def in_process(module: str, *argv: str) -> str:
+    """`python -m MODULE ARGV` in this process, returning what it printed: a fresh interpreter re-imported torch,
+    transformers and TRL for each call. conftest restores the environment and the loggers after."""
+    main = importlib.import_module(module).main
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        main(list(argv))  # as `python -m` runs them: a failure raises (SystemExit included), a return is not a status
+    return printed.getvalue()
 
 EXPECTED = {
     "setting", "reference", "checkpointing", "stock_step_s", "pruned_step_s", "speedup", "flop_limit", "efficiency",
@@ -131,13 +143,8 @@ def test_workload_smoke_run(tmp_path):
     from benchmarks import report, step_time
 
     out = tmp_path / "bench"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--workload", "hh", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "padding" in proc.stdout and "dloss@1" in proc.stdout  # the table is printed
+    printed = in_process("benchmarks.step_time", "--smoke", "--workload", "hh", "--out", str(out))
+    assert "padding" in printed and "dloss@1" in printed  # the table is printed
     data = json.loads((out / "step_time.json").read_text())
     rows = {r["setting"]: r for r in data["results"]}
     assert list(rows) == ["stock", *step_time.WORKLOAD_SETTINGS]
@@ -258,14 +265,9 @@ def test_model_smoke_run(tmp_path):
     from benchmarks import report, step_time
 
     out = tmp_path / "bench"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--model", _chat_model_folder(tmp_path),
-         "--workload", "hh", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tok limit" in proc.stdout and "peak ratio" in proc.stdout
+    printed = in_process("benchmarks.step_time", "--smoke", "--model", _chat_model_folder(tmp_path), "--workload", "hh",
+                         "--out", str(out))
+    assert "tok limit" in printed and "peak ratio" in printed
     data = json.loads((out / "step_time.json").read_text())
     rows = {r["setting"]: r for r in data["results"]}
     assert list(rows) == ["stock", *step_time.MODEL_SETTINGS]
@@ -336,14 +338,9 @@ def test_memory_length_smoke_run(tmp_path, shape, lora):
 
 def test_memory_breakdown_smoke_run():
     """`python -m benchmarks.memory_breakdown` at a tiny scale: both sides profiled, the peak attributed by region."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory_breakdown", "--workload", "hh", "--scale", "0.05", "--top", "3"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("peak of the step's live allocations") == 2, proc.stdout[-3000:]
-    assert proc.stdout.count("at the peak, by region:") == 2
+    printed = in_process("benchmarks.memory_breakdown", "--workload", "hh", "--scale", "0.05", "--top", "3")
+    assert printed.count("peak of the step's live allocations") == 2, printed[-3000:]
+    assert printed.count("at the peak, by region:") == 2
 
 
 # Rows whose code other rows of the dry run already run (the 8 x 1 comparators, `position`, the bisection's stock side,

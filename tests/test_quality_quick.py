@@ -6,27 +6,30 @@ They check that the documented commands run and that what they write is well for
 setting wins: at these sizes the numbers are noise.
 """
 
+import contextlib
+import importlib
+import io
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def in_process(tmp_path, module: str, *argv: str) -> None:
+    """`python -m MODULE ARGV` in this process, its output kept for a failure: a fresh interpreter re-imported torch,
+    transformers and TRL for each call. conftest restores the environment and the loggers after."""
+    main = importlib.import_module(module).main
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as printed:
+        patch.setenv("TRL_PRUNED_DPO_CACHE", str(tmp_path / "cache"))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        code = main(list(argv))
+    assert not code, printed.getvalue()[-3000:]
 
 
 def test_quality_quick_smoke(tmp_path):
     out, docs = tmp_path / "out", tmp_path / "docs"
-    env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run(
-        [sys.executable, "-m", "evaluation.quality", "--smoke", "--out", str(out), "--docs", str(docs)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    in_process(tmp_path, "evaluation.quality", "--smoke", "--out", str(out), "--docs", str(docs))
 
     # Training runs: one JSON per setting and seed, each with an exact evaluation curve.
     from evaluation.quality import SMOKE
@@ -121,14 +124,10 @@ def test_regimes_quick_smoke(tmp_path, capsys):
     from evaluation.regimes import REGIME_NAMES, Regimes
 
     out = tmp_path / "regimes"
-    env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
     def regimes(*argv):
-        result = subprocess.run(
-            [sys.executable, "-m", "evaluation.regimes", "--quick", "--seeds", "0", "--batches", "8", "--out", str(out),
-             *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        in_process(tmp_path, "evaluation.regimes", "--quick", "--seeds", "0", "--batches", "8", "--out", str(out),
+                   *argv)
 
     regimes("--steps", "2", "--regimes", "dissimilar", "--settings", *REGIMES_SETTINGS)
     runs = {p.stem: json.loads(p.read_text()) for p in (out / "dissimilar-b8" / "runs").glob("*.json")}

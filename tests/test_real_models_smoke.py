@@ -4,25 +4,27 @@ pin checks, per-pair margins, divergence and report (its verdict on synthetic re
 setting wins: at 2-4 steps the numbers are noise. ~1-2 min of CPU.
 """
 
+import contextlib
+import io
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(tmp_path, *args):
-    env = {**os.environ, "TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-m", "evaluation.real_models", "--store", str(tmp_path / "cells.jsonl"),
-                             "--work", str(tmp_path / "work"), *args],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    """`python -m evaluation.real_models ARGS`, in this process: a fresh interpreter re-imported torch, transformers
+    and TRL for each call (~40% of a call's CPU). conftest restores the environment and the loggers after."""
+    from evaluation.real_models import main
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as printed:
+        for name, value in {"TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
+                            "HF_DATASETS_OFFLINE": "1"}.items():
+            patch.setenv(name, value)
+        code = main(["--store", str(tmp_path / "cells.jsonl"), "--work", str(tmp_path / "work"), *args])
+    assert code == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
 
 
 def test_real_models_smoke_every_setting_resumes_and_reports(tmp_path):
@@ -70,10 +72,7 @@ def test_prereg_plan_calibrates_runs_both_arms_resumes_and_reports(tmp_path):
     (interleaved, one process), then the equal-steps arm and the equal-time arm over each setting's N steps read from
     the calibration file (a setting whose N is the plan's steps reads its equal-steps run), every pair's margin kept,
     the pin in every key and record, resumed, analysed. The pin checks are bypassed by --smoke. ~40 s."""
-    import io
     import re
-
-    import pytest
 
     from evaluation.real_models import PLANS, run_calibration, run_prereg, seed_order, stored
     from evaluation.real_run import held_out_readouts
@@ -134,7 +133,6 @@ def test_prereg_plan_calibrates_runs_both_arms_resumes_and_reports(tmp_path):
 
 
 def test_study_cells_refuse_a_dirty_or_unpinned_checkout_and_a_missing_calibration(tmp_path):
-    import pytest
 
     from evaluation.real_models import PLANS, run_prereg
     from evaluation.study_calibration import equal_time_steps
@@ -200,7 +198,6 @@ def test_the_study_report_judges_auto_by_non_inferiority_and_keeps_pins_apart(tm
     """`auto`'s verdict (docs/study.md, "Changes"): non-inferior to the exact preset at equal time on the held-out DPO
     loss (upper bound below +0.02) and the mean margin (lower bound above -0.05), 5 seeds; fewer: experimental;
     identical differences: no interval, not a pass. Cells of two pins are never mixed."""
-    import io
 
     from evaluation.study_report import auto_verdict, cells_by_task, paired, wording, write_study_report
 
