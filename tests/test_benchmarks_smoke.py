@@ -65,7 +65,7 @@ def test_smoke_run_writes_results(tmp_path):
     settings = ["none", "branch", "position", "prefix", "combined", "max", "share"]
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.step_time", "--smoke", "--out", str(out), "--settings", *settings],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "limit" in proc.stdout and "eff" in proc.stdout  # the table is printed

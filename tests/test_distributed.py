@@ -143,7 +143,12 @@ def runs_on(engine: str) -> list[dict]:
     return [run for run in RUNS if engine in run.get("engines", ENGINES)]
 
 
-def launch(engine: str, out: Path, runs: list, timeout: int = 300) -> None:
+# A hang never ends: the limit only has to outlast the slowest honest launch. ZeRO-3's, the longest, took 190 s with
+# the whole suite on two cores (2026-12-06), and the suite's wall time has varied 4.6x between CI runs (767-3521 s).
+LAUNCH_TIMEOUT = 900
+
+
+def launch(engine: str, out: Path, runs: list, timeout: int = LAUNCH_TIMEOUT) -> None:
     spec = out / "spec.json"
     spec.write_text(json.dumps(runs))
     env = {
