@@ -490,6 +490,21 @@ def test_the_pair_after_a_checkpoint_reads_the_drift_before_it():
     assert resumed.add(5, "exact", 4.0, 6.0, 8)[1] == second
 
 
+def test_a_pair_of_steps_with_different_batch_sizes_gives_no_sample():
+    """B / 2B reads a pair's two steps as b and 2b of one batch size: an epoch's short last step (3 pairs after 8)
+    gives no sample, and the next pair no link to it (its drift is not measured); the pair after that reads again."""
+    paired = noise.PairedSteps()
+    for step in range(4):  # two whole pairs of 8: the second has its link
+        sizes, drift = paired.add(step, "exact", 4.0, 6.0 if step % 2 else 9.0, 8)
+    assert sizes is not None and drift == pytest.approx(4.0)
+    paired.add(4, "exact", 4.0, 9.0, 8)
+    assert paired.add(5, "exact", 4.0, 6.0, 3) == (None, None)  # the epoch's short last step
+    paired.add(6, "exact", 4.0, 9.0, 8)
+    assert paired.add(7, "exact", 4.0, 6.0, 8)[1] is None  # linked to nothing: no drift
+    paired.add(8, "exact", 4.0, 9.0, 8)
+    assert paired.add(9, "exact", 4.0, 6.0, 8)[1] == pytest.approx(4.0)
+
+
 def test_two_probes_that_agree_by_chance_are_read_as_noisy_as_the_exact_blocks():
     """Heavy-tailed per-pair gradients make one block's tr Σ vary by factors of 2-4 from block to block; two probes
     that happen to agree (here both read r + 1 ≈ 0.8) must not give a narrow bound. The exact blocks' jitter (second

@@ -72,10 +72,11 @@ class PairedSteps:
     """The B / 2B path (one process, no accumulation): a pair of consecutive steps t, t+1 of one kind is a batch of b
     and one of 2b; linked to the previous pair by |g_t - g_(t-2)|², it also gives the mean gradient's drift that
     b |g_t - g_(t+1)|² / 2 includes besides tr Σ (Eq. A4). `carried`: the drift read before a checkpoint, for the
-    first pair after it (its link's gradient is not saved)."""
+    first pair after it (its link's gradient is not saved). A pair whose two steps hold different numbers of pairs (an
+    epoch's short last step) is not a b / 2b pair: no sample, and no link for the next."""
 
     def __init__(self, carried: float | None = None):
-        # `first`: [|g_t|², t, kind, link] of a pair's first step; `last`: [t, within].
+        # `first`: [|g_t|², t, kind, link, pairs] of a pair's first step; `last`: [t, within].
         self.first, self.last = None, None
         self.carried, self.latest = carried, None
 
@@ -85,11 +86,12 @@ class PairedSteps:
         whole."""
         if step % 2 == 0:
             link = diff2 if self.last and self.last[0] == step - 2 else None
-            self.first = [small2, step, kind, link]
+            self.first = [small2, step, kind, link, pairs]
             return None, None
-        if self.first is None or self.first[1:3] != [step - 1, kind]:
+        if self.first is None or self.first[1:3] != [step - 1, kind] or self.first[4] != pairs:
+            self.first = None
             return None, None
-        (first, _, _, link), self.first = self.first, None
+        (first, _, _, link, _), self.first = self.first, None
         # `within` is |g_t - g_(t+1)|²; |g_t + g_(t+1)|² = 2 |g_t|² + 2 |g_(t+1)|² - within.
         within = diff2
         drift = self.carried if link is None else pairs * pair_drift(link, self.last[1], within) / 2
