@@ -7,9 +7,6 @@ worked examples in docs (branch pruning at 0.5: 10 -> 7 forward-units with a liv
 with a precomputed reference, 8 -> 6 without checkpointing).
 """
 
-import contextlib
-import importlib
-import io
 import json
 import os
 import subprocess
@@ -21,15 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.flops import Shape, Work, step_flops  # noqa: E402
-
-
-def in_process(module: str, *argv: str) -> str:
-    """`python -m MODULE ARGV` in this process, returning what it printed: a fresh interpreter re-imported torch,
-    transformers and TRL for each call. conftest restores the environment and the loggers after."""
-    main = importlib.import_module(module).main
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        main(list(argv))  # as `python -m` runs them: a failure raises (SystemExit included), a return is not a status
-    return printed.getvalue()
+from tiny import run_module  # noqa: E402
 
 EXPECTED = {
     "setting", "reference", "checkpointing", "stock_step_s", "pruned_step_s", "speedup", "flop_limit", "efficiency",
@@ -143,7 +132,7 @@ def test_workload_smoke_run(tmp_path):
     from benchmarks import report, step_time
 
     out = tmp_path / "bench"
-    printed = in_process("benchmarks.step_time", "--smoke", "--workload", "hh", "--out", str(out))
+    printed = run_module("benchmarks.step_time", "--smoke", "--workload", "hh", "--out", str(out))
     assert "padding" in printed and "dloss@1" in printed  # the table is printed
     data = json.loads((out / "step_time.json").read_text())
     rows = {r["setting"]: r for r in data["results"]}
@@ -265,7 +254,7 @@ def test_model_smoke_run(tmp_path):
     from benchmarks import report, step_time
 
     out = tmp_path / "bench"
-    printed = in_process("benchmarks.step_time", "--smoke", "--model", _chat_model_folder(tmp_path), "--workload", "hh",
+    printed = run_module("benchmarks.step_time", "--smoke", "--model", _chat_model_folder(tmp_path), "--workload", "hh",
                          "--out", str(out))
     assert "tok limit" in printed and "peak ratio" in printed
     data = json.loads((out / "step_time.json").read_text())
@@ -338,7 +327,7 @@ def test_memory_length_smoke_run(tmp_path, shape, lora):
 
 def test_memory_breakdown_smoke_run():
     """`python -m benchmarks.memory_breakdown` at a tiny scale: both sides profiled, the peak attributed by region."""
-    printed = in_process("benchmarks.memory_breakdown", "--workload", "hh", "--scale", "0.05", "--top", "3")
+    printed = run_module("benchmarks.memory_breakdown", "--workload", "hh", "--scale", "0.05", "--top", "3")
     assert printed.count("peak of the step's live allocations") == 2, printed[-3000:]
     assert printed.count("at the peak, by region:") == 2
 

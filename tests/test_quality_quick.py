@@ -6,25 +6,17 @@ They check that the documented commands run and that what they write is well for
 setting wins: at these sizes the numbers are noise.
 """
 
-import contextlib
-import importlib
-import io
 import json
 
 import pytest
+
+from tiny import run_module
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def in_process(tmp_path, module: str, *argv: str) -> None:
-    """`python -m MODULE ARGV` in this process, its output kept for a failure: a fresh interpreter re-imported torch,
-    transformers and TRL for each call. conftest restores the environment and the loggers after."""
-    main = importlib.import_module(module).main
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as printed:
-        patch.setenv("TRL_PRUNED_DPO_CACHE", str(tmp_path / "cache"))
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        code = main(list(argv))
-    assert not code, printed.getvalue()[-3000:]
+    run_module(module, *argv, env={"TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"})
 
 
 def test_quality_quick_smoke(tmp_path):

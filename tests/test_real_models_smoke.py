@@ -4,27 +4,20 @@ pin checks, per-pair margins, divergence and report (its verdict on synthetic re
 setting wins: at 2-4 steps the numbers are noise. ~1-2 min of CPU.
 """
 
-import contextlib
 import io
 import json
 
 import pytest
 
+from tiny import run_module
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(tmp_path, *args):
-    """`python -m evaluation.real_models ARGS`, in this process: a fresh interpreter re-imported torch, transformers
-    and TRL for each call (~40% of a call's CPU). conftest restores the environment and the loggers after."""
-    from evaluation.real_models import main
-
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as printed:
-        for name, value in {"TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
-                            "HF_DATASETS_OFFLINE": "1"}.items():
-            patch.setenv(name, value)
-        code = main(["--store", str(tmp_path / "cells.jsonl"), "--work", str(tmp_path / "work"), *args])
-    assert code == 0, printed.getvalue()[-3000:]
-    return printed.getvalue()
+    env = {"TRL_PRUNED_DPO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return run_module("evaluation.real_models", "--store", str(tmp_path / "cells.jsonl"), "--work",
+                      str(tmp_path / "work"), *args, env=env)
 
 
 def test_real_models_smoke_every_setting_resumes_and_reports(tmp_path):

@@ -4,7 +4,10 @@ models built from configs, preference data, and the trainer builders. Nothing he
 Imported by tests/conftest.py (which adds the pytest fixtures), tests/distributed/run_pruned.py and the parity tests.
 """
 
+import contextlib
 import copy
+import importlib
+import io
 import math
 import os
 import string
@@ -213,3 +216,19 @@ def with_cpu_loss_scaler(trainer, init_scale: float, overflow_steps=(), growth_i
     weight = trainer.model.get_input_embeddings().weight
     weight.register_hook(lambda grad: grad * math.inf if trainer.state.global_step in overflow_steps else grad)
     return trainer
+
+
+def run_module(module: str, *argv: str, env: dict | None = None) -> str:
+    """`python -m MODULE ARGV` in this process, with `env` set for the call; returns what it printed. A fresh
+    interpreter re-imported torch, transformers and TRL for each call, ~40% of a smoke run's CPU; conftest restores the
+    environment and the loggers after. Those modules end with `sys.exit(main())` or `main()`: a non-zero int returned
+    fails, any other return is not a status, a failure raises."""
+    import pytest
+
+    main = importlib.import_module(module).main
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as printed:
+        for name, value in (env or {}).items():
+            patch.setenv(name, value)
+        returned = main(list(argv))
+    assert not isinstance(returned, int) or returned == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
