@@ -126,7 +126,6 @@ def test_prereg_plan_calibrates_runs_both_arms_resumes_and_reports(tmp_path):
 
 
 def test_study_cells_refuse_a_dirty_or_unpinned_checkout_and_a_missing_calibration(tmp_path):
-
     from evaluation.real_models import PLANS, run_prereg
     from evaluation.study_calibration import equal_time_steps
     from evaluation.study_pin import Provenance, check_runnable
@@ -191,7 +190,6 @@ def test_the_study_report_judges_auto_by_non_inferiority_and_keeps_pins_apart(tm
     """`auto`'s verdict (docs/study.md, "Changes"): non-inferior to the exact preset at equal time on the held-out DPO
     loss (upper bound below +0.02) and the mean margin (lower bound above -0.05), 5 seeds; fewer: experimental;
     identical differences: no interval, not a pass. Cells of two pins are never mixed."""
-
     from evaluation.study_report import auto_verdict, cells_by_task, paired, wording, write_study_report
 
     base = [0.5, 0.6, 0.4, 0.7]

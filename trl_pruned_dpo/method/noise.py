@@ -89,7 +89,6 @@ class PairedSteps:
             self.first = [small2, step, kind, link, pairs]
             return None, None
         if self.first is None or self.first[1:3] != [step - 1, kind] or self.first[4] != pairs:
-            self.first = None
             return None, None
         (first, _, _, link, _), self.first = self.first, None
         # `within` is |g_t - g_(t+1)|²; |g_t + g_(t+1)|² = 2 |g_t|² + 2 |g_(t+1)|² - within.
