@@ -11,6 +11,7 @@ import io
 import math
 import os
 import string
+from unittest import mock
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -220,15 +221,11 @@ def with_cpu_loss_scaler(trainer, init_scale: float, overflow_steps=(), growth_i
 
 def run_module(module: str, *argv: str, env: dict | None = None) -> str:
     """`python -m MODULE ARGV` in this process, with `env` set for the call; returns what it printed. A fresh
-    interpreter re-imported torch, transformers and TRL for each call, ~40% of a smoke run's CPU; conftest restores the
-    environment and the loggers after. Those modules end with `sys.exit(main())` or `main()`: a non-zero int returned
-    fails, any other return is not a status, a failure raises."""
-    import pytest
-
+    interpreter re-imported torch, transformers and TRL for each call, ~40% of a smoke run's CPU; conftest restores what
+    the module itself changes in the environment and the loggers. Those modules end with `sys.exit(main())` or `main()`:
+    a non-zero int returned fails, any other return is not a status, a failure raises."""
     main = importlib.import_module(module).main
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as printed:
-        for name, value in (env or {}).items():
-            patch.setenv(name, value)
+    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stdout(io.StringIO()) as printed:
         returned = main(list(argv))
     assert not isinstance(returned, int) or returned == 0, printed.getvalue()[-3000:]
     return printed.getvalue()

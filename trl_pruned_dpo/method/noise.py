@@ -76,7 +76,7 @@ class PairedSteps:
     epoch's short last step) is not a b / 2b pair: no sample, and no link for the next."""
 
     def __init__(self, carried: float | None = None):
-        # `first`: [|g_t|², t, kind, link, pairs] of a pair's first step; `last`: [t, within].
+        # `first`: [|g_t|², t, kind, pairs, link] of a pair's first step; `last`: [t, within].
         self.first, self.last = None, None
         self.carried, self.latest = carried, None
 
@@ -86,11 +86,11 @@ class PairedSteps:
         whole."""
         if step % 2 == 0:
             link = diff2 if self.last and self.last[0] == step - 2 else None
-            self.first = [small2, step, kind, link, pairs]
+            self.first = [small2, step, kind, pairs, link]
             return None, None
-        if self.first is None or self.first[1:3] != [step - 1, kind] or self.first[4] != pairs:
+        if self.first is None or self.first[1:4] != [step - 1, kind, pairs]:
             return None, None
-        (first, _, _, link, _), self.first = self.first, None
+        (first, *_, link), self.first = self.first, None
         # `within` is |g_t - g_(t+1)|²; |g_t + g_(t+1)|² = 2 |g_t|² + 2 |g_(t+1)|² - within.
         within = diff2
         drift = self.carried if link is None else pairs * pair_drift(link, self.last[1], within) / 2
